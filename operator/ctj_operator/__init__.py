@@ -1,0 +1,1 @@
+"""The ctj operator: kopf handlers for CheckpointedTrainingJob (see DESIGN.md)."""
