@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Builds (once) the local control plane's binaries from Go modules and prints where they are.
+#
+#   hack/cluster-binaries.sh           build what is missing, print the paths (KEY=PATH lines)
+#   hack/cluster-binaries.sh --check   build nothing; print the paths, exit 3 if any is missing
+#
+# Why from source: these machines have no Docker and cannot reach GitHub or dl.k8s.io, only
+# the Go module proxy. The wrapper modules in hack/gomod/ (see regen.sh there) pin
+# k8s.io/kubernetes, etcd and helm; every binary is built from them with the local Go.
+#
+# Cache: ${CTJ_CACHE:-~/.cache/ctj}/<name>-<version>-<recipe>/bin, where <recipe> hashes the
+# wrapper module and the build flags, so a changed recipe builds into a new directory. A
+# directory counts only once its .complete marker exists (written last), so an interrupted
+# build is simply redone. GOCACHE and GOMODCACHE live under the cache too, so CI can keep
+# them and a rebuild after a flag change recompiles little.
+set -euo pipefail
+hack="$(cd "$(dirname "$0")" && pwd)"
+# shellcheck disable=SC1091
+source "$hack/versions.env"
+mode="${1:-build}"
+cache="${CTJ_CACHE:-$HOME/.cache/ctj}"
+export PATH="${CTJ_GO_ROOT:-/usr/local/go}/bin:$PATH"
+export GOTOOLCHAIN=local GOSUMDB=off GOFLAGS="-mod=readonly -buildvcs=false" CGO_ENABLED=0
+export GOCACHE="$cache/go/build" GOMODCACHE="$cache/go/mod"
+
+log() { printf 'cluster-binaries: %s\n' "$*" >&2; }
+
+# recipe_dir NAME VERSION MODULE_DIR FLAGS... -> the cache directory for that exact recipe
+recipe_dir() {
+  local name="$1" version="$2" module="$3"; shift 3
+  local h
+  h="$( { cat "$module"/go.mod "$module"/go.sum "$module"/*.go; printf '%s\n' "$@" "$(go env GOVERSION)"; } \
+        | sha256sum | cut -c1-10)"
+  printf '%s/%s-%s-%s' "$cache" "$name" "$version" "$h"
+}
+
+# build NAME DIR MODULE LDFLAGS PACKAGES... : one `go build` for all packages (shared compiles)
+build() {
+  local name="$1" dir="$2" module="$3" ldflags="$4"; shift 4
+  local start total n=0 line
+  start=$(date +%s)
+  log "[$name] downloading modules into $GOMODCACHE"
+  (cd "$module" && go mod download)
+  total=$(cd "$module" && go list -deps "$@" | grep -c .)
+  log "[$name] compiling up to $total packages into $dir (cached ones are skipped)"
+  rm -rf "$dir.tmp" && mkdir -p "$dir.tmp/bin"
+  # -v names each package as it is compiled: turn that into progress, pass errors through.
+  (cd "$module" && nice -n "${CTJ_BUILD_NICE:-10}" go build -v -trimpath -ldflags "$ldflags" \
+      -o "$dir.tmp/bin/" "$@" 2>&1) | while IFS= read -r line; do
+    if [[ "$line" =~ ^[A-Za-z0-9._~/-]+$ ]]; then
+      n=$((n + 1))
+      if (( n % 100 == 0 )); then log "[$name] $n/$total packages ($(( $(date +%s) - start ))s)"; fi
+    else
+      printf '%s\n' "$line" >&2
+    fi
+  done
+  local rc=${PIPESTATUS[0]}
+  if (( rc != 0 )); then log "[$name] go build failed (exit $rc)"; return "$rc"; fi
+  rm -rf "$dir" && mv "$dir.tmp" "$dir"
+  date -u +%FT%TZ > "$dir/.complete"
+  log "[$name] built in $(( $(date +%s) - start ))s"
+}
+
+k8s_minor="${K8S_VERSION#v1.}"; k8s_minor="${k8s_minor%%.*}"
+k8s_ldflags="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  k8s_ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$k8s_minor"
+  k8s_ldflags+=" -X $pkg.gitTreeState=clean"
+done
+helm_minor="$(sed -n 's#^\s*k8s.io/client-go v0\.\([0-9]*\)\..*#\1#p' "$hack/gomod/helm/go.mod")"
+helm_ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+helm_ldflags+=" -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+for pkg in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+  helm_ldflags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$helm_minor"
+done
+etcd_ldflags="-s -w"
+k8s_dir="$(recipe_dir k8s "$K8S_VERSION" "$hack/gomod/k8s" "$k8s_ldflags")"
+etcd_dir="$(recipe_dir etcd "$ETCD_VERSION" "$hack/gomod/etcd" "$etcd_ldflags")"
+helm_dir="$(recipe_dir helm "$HELM_VERSION" "$hack/gomod/helm" "$helm_ldflags")"
+
+print_paths() {
+  echo "CTJ_ETCD_BIN_DIR=$etcd_dir/bin"
+  echo "CTJ_K8S_BIN_DIR=$k8s_dir/bin"
+  echo "CTJ_HELM_BIN_DIR=$helm_dir/bin"
+}
+
+missing=()
+for d in "$etcd_dir" "$k8s_dir" "$helm_dir"; do [ -f "$d/.complete" ] || missing+=("$d"); done
+if [ "$mode" = "--check" ]; then
+  print_paths
+  if (( ${#missing[@]} )); then log "not built: ${missing[*]}"; exit 3; fi
+  exit 0
+fi
+if [ "$mode" != "build" ]; then log "usage: $0 [--check]"; exit 2; fi
+
+t0=$(date +%s)
+if [ ! -f "$etcd_dir/.complete" ]; then
+  build etcd "$etcd_dir" "$hack/gomod/etcd" "$etcd_ldflags" .
+fi
+if [ ! -f "$k8s_dir/.complete" ]; then
+  build k8s "$k8s_dir" "$hack/gomod/k8s" "$k8s_ldflags" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
+fi
+if [ ! -f "$helm_dir/.complete" ]; then
+  build helm "$helm_dir" "$hack/gomod/helm" "$helm_ldflags" helm.sh/helm/v3/cmd/helm
+fi
+if (( ${#missing[@]} )); then
+  log "cold build of ${missing[*]##*/} took $(( $(date +%s) - t0 ))s"
+else
+  log "all binaries cached"
+fi
+print_paths
