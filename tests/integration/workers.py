@@ -1,0 +1,108 @@
+"""Rank functions for the multi-process tests (run by tests.integration.ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+from trainer_sidecar import CheckpointConfig, Checkpointer
+
+
+class Net(torch.nn.Module):
+    """Row counts (29, 3) that no world size of 2-4 divides evenly: uneven and empty shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 29)
+        self.norm = torch.nn.LayerNorm(29)
+        self.fc2 = torch.nn.Linear(29, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+def build(kind: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model: torch.nn.Module = Net()
+    if kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (model.fc1, model.fc2):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+    for _ in range(steps):
+        loss = model(torch.randn(8, 16, generator=gen)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and optimizer state gathered to full tensors on rank 0 (empty elsewhere)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {
+        "model": get_model_state_dict(model, options=options),
+        "optim": get_optimizer_state_dict(model, opt, options=options).get("state", {}),
+    }
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t
+
+
+def assert_bitwise_equal(got: Any, want: Any, path: str = "") -> None:
+    if isinstance(want, dict):
+        assert set(got) == set(want), f"{path}: keys {sorted(got)} != {sorted(want)}"
+        for k in want:
+            assert_bitwise_equal(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, path
+        assert torch.equal(_raw(got), _raw(want)), f"{path} differs"
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def config(args: dict[str, Any]) -> CheckpointConfig:
+    return CheckpointConfig(uri=args["uri"], **args.get("config", {}))
+
+
+def save(args: dict[str, Any]) -> None:
+    """Train a little, save at args['step'], write the gathered reference state."""
+    model, opt = build(args["kind"], seed=0)
+    train(model, opt, 2)
+    Checkpointer(config(args)).save(
+        args["step"], model=model, optimizer=opt, extra={"step": args["step"], "pos": 7}
+    )
+    ref = full_state(model, opt)
+    if dist.get_rank() == 0:
+        torch.save(ref, args["ref"])
+
+
+def load_and_compare(args: dict[str, Any]) -> None:
+    """Fresh (differently initialised) model at this world size: load, compare bitwise."""
+    model, opt = build(args["kind"], seed=123)
+    extra: dict[str, Any] = {"step": -1, "pos": -1}
+    result = Checkpointer(config(args)).load(model=model, optimizer=opt, extra=extra)
+    assert result is not None and result.step == args["step"], result
+    assert extra == {"step": args["step"], "pos": 7}, extra
+    got = full_state(model, opt)
+    if dist.get_rank() == 0:
+        assert_bitwise_equal(got, torch.load(args["ref"], weights_only=True))
+    train(model, opt, 1)  # the loaded state trains on

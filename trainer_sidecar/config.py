@@ -1,0 +1,103 @@
+"""Configuration of the checkpoint engine: one dataclass, validated on construction.
+
+Environment variables are read only by ``CheckpointConfig.from_env`` (the entry
+points call it); everything below takes a config object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from typing import Any
+
+from .chunking import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_SIZE, MIB
+from .errors import CheckpointError
+from .manifest import MODES
+from .objectstore import Location
+
+
+def default_staging_root() -> str:
+    """Memory-backed where the machine has it (/dev/shm), the temp dir otherwise."""
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    return os.path.join(base, f"ctj-staging-{os.getuid()}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointConfig:
+    uri: str
+    """Where the job's checkpoints live: s3://bucket/prefix or file:///dir."""
+    mode: str = "incremental"
+    """full | incremental (delta against the previous checkpoint) | differential (against the last full)."""
+    full_every: int = 10
+    """Every N-th checkpoint is a full one (1 = always full)."""
+    keep_last: int = 3
+    """Committed checkpoints to keep (plus any base they need); 0 keeps all."""
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Largest chunk (bytes); a multiple of block_size, at most 64 MiB."""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Unit of verification and of ranged reads (bytes)."""
+    compression: str = "none"
+    """none | zstd (compressed chunks are read whole)."""
+    parallelism: int = 8
+    """Concurrent chunk transfers per rank."""
+    gc_grace_s: float = 3600.0
+    """Never delete a chunk younger than this: a save in flight may be writing it."""
+    commit_timeout_s: float = 600.0
+    """How long the committer waits for every rank's part."""
+    staging_dir: str = dataclasses.field(default_factory=default_staging_root)
+    """Local directory for staged state (memory-backed in a pod)."""
+    endpoint_url: str | None = None
+    """S3 endpoint (MinIO, SeaweedFS, ...); None: AWS or AWS_ENDPOINT_URL."""
+    region: str | None = None
+
+    def __post_init__(self) -> None:
+        Location.parse(self.uri)  # raises a CheckpointError naming the problem
+
+        def bad(field: str, why: str) -> CheckpointError:
+            return CheckpointError(f"checkpoint config: {field} {why}")
+
+        if self.mode not in MODES:
+            raise bad("mode", f"is {self.mode!r}: use one of {', '.join(MODES)}")
+        if self.full_every < 1:
+            raise bad("full_every", f"is {self.full_every}: use 1 or more")
+        if self.keep_last < 0:
+            raise bad("keep_last", f"is {self.keep_last}: use 0 (keep all) or more")
+        if self.block_size < 4096 or self.block_size & (self.block_size - 1):
+            raise bad("block_size", f"is {self.block_size}: use a power of two >= 4096")
+        if self.chunk_size % self.block_size or not 0 < self.chunk_size <= 64 * MIB:
+            raise bad("chunk_size", "must be a multiple of block_size, at most 64 MiB")
+        if self.compression not in ("none", "zstd"):
+            raise bad("compression", f"is {self.compression!r}: use none or zstd")
+        if self.parallelism < 1:
+            raise bad("parallelism", "must be at least 1")
+        if self.gc_grace_s < 0 or self.commit_timeout_s <= 0:
+            raise bad("gc_grace_s/commit_timeout_s", "must be positive")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> CheckpointConfig:
+        """CTJ_CHECKPOINT_URI, CTJ_CHECKPOINT_MODE, ... (the operator sets these in pods)."""
+        env = dict(os.environ if env is None else env)
+        names = {
+            "uri": ("CTJ_CHECKPOINT_URI", str),
+            "mode": ("CTJ_CHECKPOINT_MODE", str),
+            "full_every": ("CTJ_CHECKPOINT_FULL_EVERY", int),
+            "keep_last": ("CTJ_CHECKPOINT_KEEP_LAST", int),
+            "chunk_size": ("CTJ_CHECKPOINT_CHUNK_SIZE", int),
+            "compression": ("CTJ_CHECKPOINT_COMPRESSION", str),
+            "parallelism": ("CTJ_CHECKPOINT_PARALLELISM", int),
+            "staging_dir": ("CTJ_STAGING_DIR", str),
+            "endpoint_url": ("AWS_ENDPOINT_URL", str),
+        }
+        values: dict[str, Any] = {}
+        for field, (var, typ) in names.items():
+            if env.get(var):
+                try:
+                    values[field] = typ(env[var])
+                except ValueError:
+                    raise CheckpointError(f"{var}={env[var]!r} is not a valid {typ.__name__}") from None
+        values.update(overrides)
+        if "uri" not in values:
+            raise CheckpointError("no checkpoint location: set CTJ_CHECKPOINT_URI (s3://bucket/prefix)")
+        return cls(**values)

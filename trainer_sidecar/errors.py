@@ -1,0 +1,42 @@
+"""Errors a user can act on, and the store's own small vocabulary.
+
+`CheckpointError` carries a one-line message that names the problem and the fix;
+the CLI prints it without a traceback. Everything else is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """A problem the user can fix (bad URI, missing bucket, wrong credentials...)."""
+
+
+class NoCheckpointError(CheckpointError):
+    """The location holds no committed checkpoint (or none at the requested step)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A chunk of a committed checkpoint is missing or fails its hash check."""
+
+    def __init__(self, step: int, chunk_id: str, reason: str) -> None:
+        super().__init__(f"checkpoint step {step} is unusable: chunk {chunk_id} {reason}")
+        self.step = step
+        self.chunk_id = chunk_id
+        self.reason = reason
+
+
+class ObjectNotFound(Exception):
+    """The object store has no object at a key."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+class ObjectExists(Exception):
+    """A conditional (create-only) write found the key already taken."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key

@@ -1,0 +1,60 @@
+"""Pure decisions of the checkpoint store: what kind of save, what to keep, what to delete.
+
+No I/O here; each function takes plain values and returns a plan, so the rules
+are table-tested in tests/unit/test_policy.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from .manifest import Manifest
+from .objectstore import ObjectInfo
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SavePlan:
+    step: int
+    mode: str  # what this save actually does: full | incremental | differential
+    parent_step: int | None  # latest committed checkpoint before this one
+    base_step: int  # last full checkpoint (this step itself when mode is full)
+    since_full: int
+    reference_step: int | None  # whose chunks need no upload (None: upload all)
+
+
+def plan_save(step: int, *, mode: str, full_every: int, latest: Manifest | None) -> SavePlan:
+    """Full when asked, when there is nothing to build on, or every ``full_every`` saves."""
+    if latest is None or mode == "full" or latest.since_full + 1 >= full_every:
+        return SavePlan(step, "full", latest.step if latest else None, step, 0, None)
+    reference = latest.step if mode == "incremental" else latest.base_step
+    return SavePlan(step, mode, latest.step, latest.base_step, latest.since_full + 1, reference)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ManifestSummary:
+    step: int
+    base_step: int
+
+
+def plan_retention(manifests: Sequence[ManifestSummary], keep_last: int) -> list[int]:
+    """Steps to delete so the last ``keep_last`` remain, with every base a kept one names."""
+    if keep_last <= 0:
+        return []
+    ordered = sorted(manifests, key=lambda m: m.step)
+    kept = ordered[-keep_last:]
+    keep = {m.step for m in kept} | {m.base_step for m in kept}
+    return [m.step for m in ordered if m.step not in keep]
+
+
+def plan_gc(
+    objects: Iterable[ObjectInfo], referenced: set[str], *, now: float, grace_s: float
+) -> list[str]:
+    """Unreferenced objects old enough that no save in flight can still be writing them.
+
+    A save uploads chunks before any record names them; the grace period (longer
+    than any save takes) is what keeps those safe.
+    """
+    return [
+        o.key for o in objects if o.key not in referenced and now - o.last_modified >= grace_s
+    ]

@@ -1,0 +1,221 @@
+"""Operations on a checkpoint location: list, read, commit, retention, gc, verify, remove.
+
+Everything here is a thin adapter between the object store and the pure rules
+in policy.py. The commit is one create-only write of the manifest; nothing
+else makes a checkpoint visible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from . import policy
+from .chunk_reader import ChunkReader
+from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, ObjectExists
+from .errors import ObjectNotFound
+from .manifest import (
+    CHUNKS,
+    MANIFESTS,
+    PARTS,
+    FileEntry,
+    Manifest,
+    RankPart,
+    manifest_key,
+    part_prefix,
+    step_of_manifest_key,
+)
+from .objectstore import ObjectStore
+
+log = logging.getLogger(__name__)
+CLOCK_KEY = "clock"
+
+
+def committed_steps(store: ObjectStore) -> list[int]:
+    steps = (step_of_manifest_key(o.key) for o in store.list(MANIFESTS))
+    return sorted(s for s in steps if s is not None)
+
+
+def read_manifest(store: ObjectStore, step: int) -> Manifest:
+    try:
+        data = store.get(manifest_key(step))
+    except ObjectNotFound:
+        raise NoCheckpointError(f"no committed checkpoint at step {step}") from None
+    try:
+        return Manifest.from_bytes(data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"manifest of step {step} is unreadable: {exc}") from None
+
+
+def latest_manifest(store: ObjectStore, *, before: int | None = None) -> Manifest | None:
+    """The newest readable manifest (with step < ``before`` if given)."""
+    for step in reversed(committed_steps(store)):
+        if before is not None and step >= before:
+            continue
+        try:
+            return read_manifest(store, step)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %d: %s", step, exc)
+    return None
+
+
+def read_parts(store: ObjectStore, step: int) -> list[RankPart]:
+    return [RankPart.from_bytes(store.get(o.key)) for o in store.list(part_prefix(step))]
+
+
+def commit(
+    store: ObjectStore,
+    plan: policy.SavePlan,
+    *,
+    world_size: int,
+    block_size: int,
+    timings: dict[str, float],
+    versions: dict[str, str],
+) -> Manifest:
+    """Write the manifest from every rank's part; raises if a part is missing.
+
+    The reference checkpoint of a delta must still exist: its chunks were not
+    uploaded again, and a concurrent ``rm`` + gc could have removed them.
+    """
+    parts = read_parts(store, plan.step)
+    ranks = {p.rank for p in parts}
+    missing = sorted(set(range(world_size)) - ranks)
+    if missing:
+        raise CheckpointError(f"cannot commit step {plan.step}: ranks {missing} did not upload")
+    if plan.reference_step is not None:
+        try:
+            store.get(manifest_key(plan.reference_step))
+        except ObjectNotFound:
+            raise CheckpointError(
+                f"cannot commit step {plan.step}: its reference checkpoint "
+                f"{plan.reference_step} was removed during the save"
+            ) from None
+    files: dict[str, FileEntry] = {}
+    for part in parts:
+        files.update(part.files)
+    timings = dict(timings, upload_max=max(p.upload_seconds for p in parts))
+    manifest = Manifest(
+        step=plan.step,
+        mode=plan.mode,
+        parent_step=plan.parent_step,
+        base_step=plan.base_step,
+        since_full=plan.since_full,
+        world_size=world_size,
+        block_size=block_size,
+        files=files,
+        logical_bytes=sum(f.size for f in files.values()),
+        uploaded_bytes=sum(p.uploaded_bytes for p in parts),
+        deduplicated_bytes=sum(p.deduplicated_bytes for p in parts),
+        created=time.time(),
+        timings=timings,
+        versions=versions,
+    )
+    try:
+        store.put(manifest_key(plan.step), manifest.to_bytes(), if_absent=True)
+    except ObjectExists:
+        raise CheckpointError(
+            f"step {plan.step} is already committed at this location; a commit never overwrites"
+        ) from None
+    store.delete(o.key for o in store.list(part_prefix(plan.step)))
+    return manifest
+
+
+def apply_retention(store: ObjectStore, keep_last: int) -> list[int]:
+    summaries = []
+    for step in committed_steps(store):
+        try:
+            summaries.append(policy.ManifestSummary(step, read_manifest(store, step).base_step))
+        except CheckpointError:
+            summaries.append(policy.ManifestSummary(step, step))
+    doomed = policy.plan_retention(summaries, keep_last)
+    store.delete(manifest_key(s) for s in doomed)
+    return doomed
+
+
+def store_now(store: ObjectStore) -> float:
+    """The store's own clock (object ages are on it), read by writing a tiny object."""
+    store.put(CLOCK_KEY, b"")
+    for info in store.list(CLOCK_KEY):
+        if info.key == CLOCK_KEY:
+            return info.last_modified
+    return time.time()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GcReport:
+    deleted_chunks: int
+    deleted_bytes: int
+    deleted_parts: int
+    kept_chunks: int
+
+
+def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False) -> GcReport:
+    """Mark every chunk a manifest or an in-flight part names; sweep the rest past grace."""
+    referenced: set[str] = set()
+    committed = set(committed_steps(store))
+    for step in committed:
+        referenced |= read_manifest(store, step).chunk_keys()
+    part_objects = list(store.list(PARTS))
+    for obj in part_objects:
+        try:
+            part = RankPart.from_bytes(store.get(obj.key))
+        except ObjectNotFound:
+            continue
+        referenced |= {c.key for f in part.files.values() for c in f.chunks}
+    now = store_now(store)
+    chunks = list(store.list(CHUNKS))
+    doomed = set(policy.plan_gc(chunks, referenced, now=now, grace_s=grace_s))
+    # parts of committed steps are leftovers of an interrupted cleanup; others age out
+    stale_parts = [
+        o.key
+        for o in part_objects
+        if int(o.key[len(PARTS) :].split("/")[0]) in committed
+        or now - o.last_modified >= grace_s
+    ]
+    if not dry_run:
+        store.delete(sorted(doomed))
+        store.delete(stale_parts)
+    return GcReport(
+        deleted_chunks=len(doomed),
+        deleted_bytes=sum(o.size for o in chunks if o.key in doomed),
+        deleted_parts=len(stale_parts),
+        kept_chunks=len(chunks) - len(doomed),
+    )
+
+
+def remove(store: ObjectStore, steps: list[int]) -> None:
+    existing = set(committed_steps(store))
+    unknown = [s for s in steps if s not in existing]
+    if unknown:
+        raise NoCheckpointError(f"no committed checkpoint at step(s) {unknown}")
+    store.delete(manifest_key(s) for s in steps)
+
+
+def verify(
+    store: ObjectStore,
+    manifest: Manifest,
+    *,
+    progress: Callable[[int], None] | None = None,
+    parallelism: int = 8,
+) -> list[CorruptCheckpointError]:
+    """Read every chunk of a checkpoint and check it; returns the problems found."""
+    reader = ChunkReader(store, manifest, parallelism=parallelism)
+    chunks = {c.id: c for f in manifest.files.values() for c in f.chunks}
+    problems: list[CorruptCheckpointError] = []
+
+    def check(chunk_id: str) -> None:
+        chunk = chunks[chunk_id]
+        try:
+            reader.fetch_verified(chunk, 0, chunk.size)
+        except CorruptCheckpointError as exc:
+            problems.append(exc)
+        if progress:
+            progress(chunk.size)
+
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(parallelism) as pool:
+        list(pool.map(check, sorted(chunks)))
+    return sorted(problems, key=lambda p: p.chunk_id)

@@ -1,0 +1,94 @@
+"""A local directory as an object store (``file://`` URIs): runs without S3.
+
+Writes go to a temporary name and are published atomically: ``os.replace`` for
+plain puts, ``os.link`` for create-only puts (link fails if the name exists, so
+two committers can never both win). A reader therefore never sees half an object.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from .errors import CheckpointError, ObjectExists, ObjectNotFound
+from .objectstore import ObjectInfo
+
+_TMP_PREFIX = ".tmp-"
+
+
+class LocalStore:
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
+        self.root = Path(root)
+        if create:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise CheckpointError(
+                    f"cannot create checkpoint directory {self.root}: {exc.strerror}; "
+                    "choose a writable path"
+                ) from None
+        elif not self.root.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.root} does not exist")
+
+    def _path(self, key: str) -> Path:
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"bad object key {key!r}")
+        return self.root / key
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            if if_absent:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise ObjectExists(key) from None
+            else:
+                os.replace(tmp, path)
+                tmp = None  # type: ignore[assignment]
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+
+    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                if byte_range is None:
+                    return f.read()
+                start, end = byte_range
+                f.seek(start)
+                return f.read(end - start)
+        except FileNotFoundError:
+            raise ObjectNotFound(key) from None
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        head, _, _ = prefix.rpartition("/")
+        base = self.root / head if head else self.root
+        if not base.is_dir():
+            return
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if name.startswith(_TMP_PREFIX):
+                    continue
+                full = Path(dirpath) / name
+                key = full.relative_to(self.root).as_posix()
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = full.stat()
+                except FileNotFoundError:
+                    continue
+                yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)

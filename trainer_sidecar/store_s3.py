@@ -1,0 +1,193 @@
+"""S3 (and MinIO, SeaweedFS, Ceph RGW, ...) as an object store, through boto3.
+
+Credentials come from boto3's standard chain (environment, shared files, IRSA,
+instance metadata); they are never taken from a URI, logged or put in a metric.
+Retries are botocore's "standard" mode: only throttling, 5xx and connection
+errors are retried, with capped, jittered exponential backoff, then raised.
+Every chunk is at most 64 MiB, so each is one PUT; parallelism comes from the
+caller uploading many chunks at once (the chunks are the parts).
+Our own BLAKE3 hashes verify every byte read, so botocore's extra CRC pass is
+switched off where S3 allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Iterator
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+from .errors import CheckpointError, ObjectExists, ObjectNotFound
+from .objectstore import Location, ObjectInfo
+from .store_local import LocalStore
+
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+_EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+_BAD_CREDENTIALS = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "InvalidToken",
+    "ExpiredToken",
+    "403",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class S3Settings:
+    """How to reach the S3 server; credentials are never part of this."""
+
+    endpoint_url: str | None = None
+    """e.g. http://minio:9000; None uses AWS (or AWS_ENDPOINT_URL)."""
+    region: str | None = None
+    """None uses AWS_REGION / AWS_DEFAULT_REGION, then us-east-1."""
+    max_attempts: int = 6
+    """Attempts per request, first included (botocore standard retry mode)."""
+    max_connections: int = 16
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise CheckpointError("s3 max_attempts must be >= 1")
+        if self.endpoint_url is not None and "://" not in self.endpoint_url:
+            raise CheckpointError(
+                f"S3 endpoint {self.endpoint_url!r} has no scheme: use http://host:port"
+            )
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> S3Settings:
+        env: dict[str, object] = {}
+        if os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
+            env["endpoint_url"] = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+                "AWS_ENDPOINT_URL"
+            )
+        if os.environ.get("CTJ_S3_MAX_ATTEMPTS"):
+            env["max_attempts"] = int(os.environ["CTJ_S3_MAX_ATTEMPTS"])
+        env.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**env)  # type: ignore[arg-type]
+
+
+class S3Store:
+    def __init__(self, location: Location, settings: S3Settings) -> None:
+        self.bucket = location.bucket
+        self.prefix = f"{location.prefix}/" if location.prefix else ""
+        self.where = f"{location} at {settings.endpoint_url or 'AWS'}"
+        self.settings = settings
+        config = botocore.config.Config(
+            s3={"addressing_style": "path"},
+            retries={"max_attempts": settings.max_attempts, "mode": "standard"},
+            max_pool_connections=settings.max_connections,
+            connect_timeout=settings.connect_timeout_s,
+            read_timeout=settings.read_timeout_s,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        region = (
+            settings.region
+            or os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION")
+            or "us-east-1"
+        )
+        session = boto3.session.Session()
+        self._s3 = session.client(
+            "s3", endpoint_url=settings.endpoint_url, region_name=region, config=config
+        )
+
+    # -- errors -------------------------------------------------------------
+
+    def _translate(self, exc: Exception, key: str) -> Exception:
+        """Map boto errors to our vocabulary: S3 error codes, never message text."""
+        if isinstance(exc, botocore.exceptions.ClientError):
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in _NOT_FOUND:
+                return ObjectNotFound(key)
+            if code in _EXISTS:
+                return ObjectExists(key)
+            if code == "NoSuchBucket":
+                return CheckpointError(
+                    f"bucket {self.bucket!r} does not exist at "
+                    f"{self.settings.endpoint_url or 'AWS'}: create it or fix the URI"
+                )
+            if code in _BAD_CREDENTIALS:
+                return CheckpointError(
+                    f"the S3 server refused our credentials for {self.where} ({code}): "
+                    "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the Secret they come from)"
+                )
+            return CheckpointError(f"S3 error {code} on {key!r} in {self.where}")
+        if isinstance(exc, botocore.exceptions.NoCredentialsError):
+            return CheckpointError(
+                "no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(or an AWS profile / role)"
+            )
+        if isinstance(
+            exc,
+            botocore.exceptions.EndpointConnectionError | botocore.exceptions.ConnectTimeoutError,
+        ):
+            return CheckpointError(
+                f"cannot reach the S3 endpoint {self.settings.endpoint_url or 'AWS'}: "
+                "check the endpoint URL (AWS_ENDPOINT_URL or --endpoint-url) and that it is up"
+            )
+        return exc
+
+    # -- the four operations --------------------------------------------------
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
+        extra = {"IfNoneMatch": "*"} if if_absent else {}
+        try:
+            self._s3.put_object(
+                Bucket=self.bucket, Key=self.prefix + key, Body=bytes(data), **extra
+            )
+        except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
+            raise self._translate(exc, key) from None
+
+    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+        extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"} if byte_range else {}
+        try:
+            resp = self._s3.get_object(Bucket=self.bucket, Key=self.prefix + key, **extra)
+            return resp["Body"].read()  # type: ignore[no-any-return]
+        except Exception as exc:  # noqa: BLE001
+            raise self._translate(exc, key) from None
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        paginator = self._s3.get_paginator("list_objects_v2")
+        cut = len(self.prefix)
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+                for obj in page.get("Contents", []):
+                    yield ObjectInfo(
+                        obj["Key"][cut:], int(obj["Size"]), obj["LastModified"].timestamp()
+                    )
+        except Exception as exc:  # noqa: BLE001
+            raise self._translate(exc, prefix) from None
+
+    def delete(self, keys: Iterable[str]) -> None:
+        batch: list[str] = []
+        for key in keys:
+            batch.append(key)
+            if len(batch) == 1000:
+                self._delete_batch(batch)
+                batch = []
+        if batch:
+            self._delete_batch(batch)
+
+    def _delete_batch(self, keys: list[str]) -> None:
+        try:
+            self._s3.delete_objects(
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": self.prefix + k} for k in keys], "Quiet": True},
+            )
+        except Exception as exc:  # noqa: BLE001
+            raise self._translate(exc, keys[0]) from None
+
+
+def open_store(uri: str, s3: S3Settings | None = None) -> LocalStore | S3Store:
+    """The store for a checkpoint URI (the only place that picks a backend)."""
+
+    location = Location.parse(uri)
+    if location.scheme == "s3":
+        return S3Store(location, s3 or S3Settings.from_env())
+    return LocalStore(location.prefix)
