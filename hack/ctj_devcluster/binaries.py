@@ -1,0 +1,80 @@
+"""Finding the control plane's binaries, the same way hack/cluster-binaries.sh builds them.
+
+The build script is the single source of truth for where a given version and recipe lives
+(``--check`` prints the paths and exits 3 if something is not built), so the launcher asks
+it instead of recomputing cache keys. ``CTJ_ETCD_BIN_DIR``, ``CTJ_K8S_BIN_DIR`` and
+``CTJ_HELM_BIN_DIR`` override it, e.g. to use binaries from elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+HACK_DIR = Path(__file__).resolve().parent.parent
+BUILD_SCRIPT = HACK_DIR / "cluster-binaries.sh"
+_DIR_VARS = ("CTJ_ETCD_BIN_DIR", "CTJ_K8S_BIN_DIR", "CTJ_HELM_BIN_DIR")
+
+
+class BinariesMissing(RuntimeError):
+    """The binaries are not built; the message says how to build them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Binaries:
+    etcd: Path
+    kube_apiserver: Path
+    kube_controller_manager: Path
+    kube_scheduler: Path
+    kubectl: Path
+    helm: Path
+
+    def __post_init__(self) -> None:
+        missing = [str(p) for p in self.all() if not os.access(p, os.X_OK)]
+        if missing:
+            raise BinariesMissing(
+                f"not built or not executable: {', '.join(missing)}; run {BUILD_SCRIPT}"
+            )
+
+    def all(self) -> tuple[Path, ...]:
+        return (self.etcd, self.kube_apiserver, self.kube_controller_manager,
+                self.kube_scheduler, self.kubectl, self.helm)
+
+
+def _dirs_from_build_script() -> dict[str, str]:
+    if not BUILD_SCRIPT.exists():
+        raise BinariesMissing(f"{BUILD_SCRIPT} not found")
+    proc = subprocess.run(
+        [str(BUILD_SCRIPT), "--check"], capture_output=True, text=True, check=False
+    )
+    if proc.returncode == 3:
+        raise BinariesMissing(
+            f"control plane binaries not built (run {BUILD_SCRIPT}; ~30 min cold): "
+            + proc.stderr.strip()
+        )
+    if proc.returncode != 0:
+        raise BinariesMissing(f"{BUILD_SCRIPT} --check failed: {proc.stderr.strip()}")
+    dirs = {}
+    for line in proc.stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            dirs[key.strip()] = value.strip()
+    return dirs
+
+
+def find_binaries() -> Binaries:
+    """The binaries to run, from the environment overrides or the build cache."""
+    dirs = {k: os.environ[k] for k in _DIR_VARS if os.environ.get(k)}
+    if len(dirs) < len(_DIR_VARS):
+        dirs = {**_dirs_from_build_script(), **dirs}
+    etcd, k8s, helm = (Path(dirs[k]) for k in _DIR_VARS)
+    return Binaries(
+        etcd=etcd / "etcd",
+        kube_apiserver=k8s / "kube-apiserver",
+        kube_controller_manager=k8s / "kube-controller-manager",
+        kube_scheduler=k8s / "kube-scheduler",
+        kubectl=k8s / "kubectl",
+        helm=helm / "helm",
+    )

@@ -1,0 +1,252 @@
+"""A whole local cluster: the control plane, cluster DNS and simulated nodes.
+
+This is what the pytest fixture and ``python -m ctj_devcluster`` drive. ``start()`` returns
+once the API server, controller manager and scheduler are healthy, every node is Ready and
+the ``default`` service account exists (pods can be created right away); ``stop()`` (also
+on any failure in ``start()``) stops everything it started, newest first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .binaries import HACK_DIR, Binaries, find_binaries
+from .controlplane import ControlPlane, ControlPlaneConfig
+from .kubeconfig import write_kubeconfig
+from .node_agent import NodeAgentConfig
+from .processes import ManagedProcess, wait_until
+
+DNS_USER = "ctj:dns"
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    root: Path
+    nodes: int = 2
+    node_cpu: str = "4"
+    node_memory: str = "8Gi"
+    node_extended_resources: dict[str, str] = field(default_factory=dict)
+    node_monitor_grace_period: float = 10.0
+    node_monitor_period: float = 1.0
+    start_timeout: float = 90.0
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        if not 0 <= self.nodes <= 250:
+            raise ValueError("nodes must be in 0..250")
+
+
+@dataclass
+class NodeHandle:
+    name: str
+    config: NodeAgentConfig
+    process: ManagedProcess
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig, binaries: Binaries | None = None) -> None:
+        self.config = config
+        self.binaries = binaries or find_binaries()
+        self.control_plane = ControlPlane(
+            ControlPlaneConfig(root=config.root,
+                               node_monitor_grace_period=config.node_monitor_grace_period,
+                               node_monitor_period=config.node_monitor_period,
+                               start_timeout=config.start_timeout),
+            self.binaries)
+        self.nodes: dict[str, NodeHandle] = {}
+        self.dns: ManagedProcess | None = None
+        self._next_index = 1
+        self.started_in: float = 0.0
+
+    # --- paths and clients ---------------------------------------------------------------
+    @property
+    def kubeconfig(self) -> Path:
+        return self.control_plane.admin_kubeconfig
+
+    @property
+    def dns_dir(self) -> Path:
+        return self.config.root / "dns"
+
+    def env(self) -> dict[str, str]:
+        """os.environ plus KUBECONFIG and PATH with kubectl and helm first."""
+        path = f"{self.binaries.kubectl.parent}:{self.binaries.helm.parent}:{os.environ['PATH']}"
+        helm_home = self.config.root / "helm"
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PATH": path,
+                "HELM_CACHE_HOME": str(helm_home / "cache"),
+                "HELM_CONFIG_HOME": str(helm_home / "config"),
+                "HELM_DATA_HOME": str(helm_home / "data")}
+
+    def api_client(self) -> Any:
+        from kubernetes import config as kconfig
+
+        return kconfig.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def kubectl(self, *args: str, check: bool = True, timeout: float = 60,
+                input: str | None = None) -> subprocess.CompletedProcess[str]:
+        return self._run(self.binaries.kubectl, args, check, timeout, input)
+
+    def helm(self, *args: str, check: bool = True,
+             timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return self._run(self.binaries.helm, args, check, timeout, None)
+
+    def _run(self, binary: Path, args: Sequence[str], check: bool, timeout: float,
+             input: str | None) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([str(binary), *args], env=self.env(), capture_output=True,
+                              text=True, timeout=timeout, input=input, check=False)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"{binary.name} {' '.join(args)} failed ({proc.returncode}):\n"
+                               f"{proc.stdout}{proc.stderr}")
+        return proc
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def start(self) -> Cluster:
+        t0 = time.monotonic()
+        try:
+            self.control_plane.start()
+            self._start_dns()
+            for _ in range(self.config.nodes):
+                self.add_node(wait=False)
+            for name in self.nodes:
+                self.wait_node_ready(name)
+            self._wait_default_service_account()
+        except BaseException:
+            self.stop()
+            raise
+        self.started_in = time.monotonic() - t0
+        self._write_state()
+        return self
+
+    def _start_dns(self) -> None:
+        from kubernetes import client
+
+        rbac = client.RbacAuthorizationV1Api(self.api_client())
+        rbac.create_cluster_role({
+            "metadata": {"name": DNS_USER},
+            "rules": [{"apiGroups": [""], "resources": ["pods", "services"],
+                       "verbs": ["list", "watch"]}]})
+        rbac.create_cluster_role_binding({
+            "metadata": {"name": DNS_USER},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": DNS_USER},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                          "name": DNS_USER}]})
+        ca = self.control_plane.ca
+        assert ca is not None
+        cert = ca.issue("dns", common_name=DNS_USER, client=True)
+        kubeconfig = write_kubeconfig(self.config.root / "dns.kubeconfig",
+                                      server=self.control_plane.server, ca_cert=ca.pair.cert,
+                                      client=cert, user="dns")
+        self.dns = ManagedProcess(
+            name="dns", log_path=self.control_plane.logs / "dns.log", env=self._python_env(),
+            argv=[sys.executable, "-m", "ctj_devcluster.dns", f"--kubeconfig={kubeconfig}",
+                  f"--dns-dir={self.dns_dir}"]).start()
+
+    def _python_env(self) -> dict[str, str]:
+        pythonpath = os.pathsep.join(p for p in (str(HACK_DIR), os.environ.get("PYTHONPATH"))
+                                     if p)
+        return {**os.environ, "PYTHONPATH": pythonpath}
+
+    def add_node(self, name: str | None = None, *, wait: bool = True,
+                 **overrides: Any) -> NodeHandle:
+        """Starts a node agent (name defaults to node-<n>); waits until it is Ready."""
+        index = self._next_index
+        self._next_index += 1
+        name = name or f"node-{index}"
+        cp = self.control_plane
+        host, port = cp.server.removeprefix("https://").rsplit(":", 1)
+        settings: dict[str, Any] = {
+            "cpu": self.config.node_cpu, "memory": self.config.node_memory,
+            "extended_resources": dict(self.config.node_extended_resources),
+            **overrides,
+        }
+        node_config = NodeAgentConfig(
+            name=name, index=index, kubeconfig=cp.node_kubeconfig(name),
+            root=self.config.root / "nodes" / name, dns_dir=self.dns_dir,
+            api_host=host, api_port=int(port),
+            kubelet_version=_kube_version(self.binaries), **settings)
+        node_config.root.mkdir(parents=True, exist_ok=True)
+        self.dns_dir.mkdir(parents=True, exist_ok=True)
+        config_path = node_config.root / "agent.json"
+        config_path.write_text(node_config.to_json())
+        proc = ManagedProcess(
+            name=f"node-agent {name}", log_path=node_config.root / "agent.log",
+            env=self._python_env(),
+            argv=[sys.executable, "-m", "ctj_devcluster.node_agent", str(config_path)]).start()
+        handle = self.nodes[name] = NodeHandle(name, node_config, proc)
+        if wait:
+            self.wait_node_ready(name)
+        self._write_state()
+        return handle
+
+    def wait_node_ready(self, name: str, timeout: float | None = None) -> None:
+        from kubernetes import client
+
+        core = client.CoreV1Api(self.api_client())
+        proc = self.nodes[name].process
+
+        def ready() -> bool:
+            proc.check_alive()
+            node = core.read_node(name)
+            return any(c.type == "Ready" and c.status == "True"
+                       for c in node.status.conditions or [])
+
+        wait_until(ready, timeout=timeout or self.config.start_timeout,
+                   what=f"node {name} Ready", on_timeout=proc.log_tail)
+
+    def container_log(self, namespace: str, pod: str, container: str) -> str:
+        """What a container wrote (stdout and stderr, every run): ``kubectl logs`` needs a
+        kubelet API that the agents do not serve, so read the node's log file."""
+        for handle in self.nodes.values():
+            for path in (handle.config.root / "pods").glob(f"{namespace}_{pod}_*/{container}.log"):
+                return path.read_text(errors="replace")
+        raise FileNotFoundError(f"no log for {namespace}/{pod}/{container}")
+
+    def kill_node(self, name: str) -> None:
+        """Loses the machine: SIGKILL to the agent and everything it runs, no goodbye."""
+        self.nodes[name].process.kill()
+
+    def stop_node(self, name: str) -> None:
+        """Shuts the agent down (its containers are stopped first); the Node stays."""
+        self.nodes[name].process.stop(grace=10.0)
+
+    def _wait_default_service_account(self) -> None:
+        from kubernetes import client
+
+        core = client.CoreV1Api(self.api_client())
+        wait_until(lambda: core.read_namespaced_service_account("default", "default"),
+                   timeout=self.config.start_timeout, what="the default service account")
+
+    def stop(self) -> None:
+        for handle in reversed(list(self.nodes.values())):
+            handle.process.stop(grace=10.0)
+        if self.dns is not None:
+            self.dns.stop()
+        self.control_plane.stop()
+
+    def _write_state(self) -> None:
+        pids = {p.name: p.pid for p in self.control_plane.processes}
+        pids.update({h.process.name: h.process.pid for h in self.nodes.values()})
+        if self.dns is not None:
+            pids["dns"] = self.dns.pid
+        state = {"kubeconfig": str(self.kubeconfig), "server": self.control_plane.server,
+                 "pids": pids,
+                 "root": str(self.config.root), "pid": os.getpid(),
+                 "nodes": sorted(self.nodes), "started_in_seconds": round(self.started_in, 2),
+                 "kubectl": str(self.binaries.kubectl), "helm": str(self.binaries.helm)}
+        (self.config.root / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+
+
+def _kube_version(binaries: Binaries) -> str:
+    """The Kubernetes version the binaries are, from their cache directory name."""
+    for part in binaries.kube_apiserver.parts:
+        if part.startswith("k8s-v"):
+            return part.split("-")[1]
+    return "v1.34.0"

@@ -1,0 +1,328 @@
+"""A simulated node: the kubelet's contract with the control plane, pods as processes.
+
+It registers a Node (capacity: cpu, memory, pods and optional extended resources standing
+in for GPUs), keeps its Lease in kube-node-lease renewed and its Ready condition posted,
+watches the pods bound to it (fieldSelector spec.nodeName, as a kubelet does: the Node
+authorizer allows nothing wider) and runs each one with a PodWorker.
+
+It authenticates as ``system:node:<name>``, so the Node authorizer and NodeRestriction
+limit it exactly as they limit a kubelet. One agent is one process; the launcher kills it
+to simulate losing the machine: its containers die with it (PR_SET_PDEATHSIG), its Lease
+stops, and the node lifecycle controller does the rest.
+
+Run as ``python -m ctj_devcluster.node_agent CONFIG.json`` (see NodeAgentConfig).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import logging
+import os
+import platform
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from . import dns, volumes
+from .informer import Informer
+from .pod_worker import PodWorker, now_rfc3339
+from .podspec import Obj
+
+log = logging.getLogger("ctj_devcluster.node_agent")
+LEASE_NAMESPACE = "kube-node-lease"
+
+
+@dataclass(kw_only=True)
+class NodeAgentConfig:
+    """One simulated node."""
+
+    name: str
+    index: int
+    """1..250: the node's address is 127.10.<index>.1 and its pods get 127.10.<index>.2-254."""
+    kubeconfig: Path
+    root: Path
+    """The node's directory: pod logs, volumes, exec specs."""
+    dns_dir: Path
+    api_host: str
+    api_port: int
+    kubelet_version: str = "v1.34.4"
+    cpu: str = "4"
+    memory: str = "8Gi"
+    max_pods: int = 110
+    extended_resources: dict[str, str] = field(default_factory=dict)
+    """e.g. {"nvidia.com/gpu": "2"}: advertised capacity, nothing more."""
+    labels: dict[str, str] = field(default_factory=dict)
+    lease_duration_seconds: int = 40
+    lease_renew_interval: float = 1.0
+    status_update_interval: float = 10.0
+    restart_backoff: float = 1.0
+    max_restart_backoff: float = 10.0
+    python_bin_dir: str = field(default_factory=lambda: os.path.dirname(sys.executable))
+    """Put first on every container's PATH, so a command ``python`` is the venv's python."""
+
+    def __post_init__(self) -> None:
+        self.kubeconfig, self.root, self.dns_dir = (
+            Path(self.kubeconfig), Path(self.root), Path(self.dns_dir))
+        if not 1 <= self.index <= 250:
+            raise ValueError(f"node index {self.index} not in 1..250")
+        if not self.name or self.name != self.name.lower():
+            raise ValueError(f"node name {self.name!r} must be a lowercase DNS label")
+        if self.lease_renew_interval <= 0 or self.lease_renew_interval * 2 > \
+                self.lease_duration_seconds:
+            raise ValueError("lease_renew_interval must be positive and under half the lease")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> NodeAgentConfig:
+        return cls(**json.loads(text))
+
+
+def _micro_now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class NodeAgent:
+    def __init__(self, config_: NodeAgentConfig) -> None:
+        self.config = config_
+        self.node_ip = f"127.10.{config_.index}.1"
+        self.api = config.new_client_from_config(config_file=str(config_.kubeconfig))
+        self.core = client.CoreV1Api(self.api)
+        self.coordination = client.CoordinationV1Api(self.api)
+        self.workers: dict[str, PodWorker] = {}
+        self._lock = threading.Lock()
+        self._free_ips = [f"127.10.{config_.index}.{n}" for n in range(254, 1, -1)]
+        self._stopping = threading.Event()
+        self.node_uid = ""
+        capacity = {"cpu": config_.cpu, "memory": config_.memory,
+                    "pods": str(config_.max_pods), **config_.extended_resources}
+        self.allocatable = dict(capacity)
+        self.capacity = capacity
+
+    # --- node registration, heartbeats -------------------------------------------------
+    def register(self) -> None:
+        labels = {"kubernetes.io/hostname": self.config.name, "kubernetes.io/os": "linux",
+                  "kubernetes.io/arch": "amd64", **self.config.labels}
+        body = {"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": self.config.name, "labels": labels}}
+        try:
+            node = self.core.create_node(body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            node = self.core.read_node(self.config.name)
+        self.node_uid = node.metadata.uid
+        self.post_status()
+        self.renew_lease()
+
+    def post_status(self) -> None:
+        t = now_rfc3339()
+        conditions = [
+            {"type": kind, "status": "False", "reason": f"KubeletHas{reason}",
+             "lastHeartbeatTime": t, "lastTransitionTime": t}
+            for kind, reason in (("MemoryPressure", "SufficientMemory"),
+                                 ("DiskPressure", "NoDiskPressure"),
+                                 ("PIDPressure", "SufficientPID"))
+        ]
+        conditions.append({"type": "Ready", "status": "True", "reason": "KubeletReady",
+                           "message": "ctj node agent is posting ready status",
+                           "lastHeartbeatTime": t, "lastTransitionTime": t})
+        status = {
+            "capacity": self.capacity, "allocatable": self.allocatable,
+            "conditions": conditions,
+            "addresses": [{"type": "InternalIP", "address": self.node_ip},
+                          {"type": "Hostname", "address": self.config.name}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+            "nodeInfo": {
+                "machineID": uuid.uuid5(uuid.NAMESPACE_DNS, self.config.name).hex,
+                "systemUUID": str(uuid.uuid5(uuid.NAMESPACE_DNS, self.config.name)),
+                "bootID": str(uuid.uuid4()), "kernelVersion": platform.release(),
+                "osImage": "ctj devcluster node", "operatingSystem": "linux",
+                "architecture": "amd64", "containerRuntimeVersion": "ctj-process://0.1",
+                "kubeletVersion": self.config.kubelet_version, "kubeProxyVersion": "",
+            },
+        }
+        self.core.patch_node_status(self.config.name, {"status": status})
+
+    def renew_lease(self) -> None:
+        name = self.config.name
+        try:
+            self.coordination.patch_namespaced_lease(
+                name, LEASE_NAMESPACE, {"spec": {"renewTime": _micro_now(),
+                                                 "holderIdentity": name}})
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            self.coordination.create_namespaced_lease(LEASE_NAMESPACE, {
+                "metadata": {"name": name, "namespace": LEASE_NAMESPACE, "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "Node", "name": name, "uid": self.node_uid}]},
+                "spec": {"holderIdentity": name,
+                         "leaseDurationSeconds": self.config.lease_duration_seconds,
+                         "renewTime": _micro_now()},
+            })
+
+    def heartbeat_forever(self) -> None:
+        """Renews the lease and reposts status until stopped. Failures (node deleted, API
+        briefly away) are logged and retried, as a kubelet does."""
+        next_status = 0.0
+        while not self._stopping.is_set():
+            try:
+                self.renew_lease()
+                if time.monotonic() >= next_status:
+                    self.post_status()
+                    next_status = time.monotonic() + self.config.status_update_interval
+            except ApiException as exc:
+                log.warning("heartbeat failed: %s %s", exc.status, exc.reason)
+            except Exception as exc:
+                log.warning("heartbeat failed: %r", exc)
+            self._stopping.wait(self.config.lease_renew_interval)
+
+    # --- pods ----------------------------------------------------------------------------
+    def on_pod_event(self, kind: str, pod: Obj) -> None:
+        meta = pod["metadata"]
+        uid = meta["uid"]
+        with self._lock:
+            worker = self.workers.get(uid)
+            if kind == "DELETED":
+                if worker is not None:
+                    worker.request_stop(2.0, delete=False)
+                return
+            if worker is not None:
+                worker.update(pod)
+                if meta.get("deletionTimestamp"):
+                    grace = meta.get("deletionGracePeriodSeconds")
+                    worker.request_stop(float(30 if grace is None else grace), delete=True)
+                return
+            if meta.get("deletionTimestamp"):
+                # Not running here (it was, under a previous agent): finish the deletion.
+                self.delete_pod(pod)
+                return
+            if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                return  # finished before this agent started: nothing to run
+            if not self._free_ips:
+                log.error("pod %s/%s: no free pod IP on this node", meta["namespace"],
+                          meta["name"])
+                return
+            ip = (pod.get("status") or {}).get("podIP") or self._free_ips[-1]
+            if ip in self._free_ips:
+                self._free_ips.remove(ip)
+            worker = self.workers[uid] = PodWorker(self, pod, ip)
+            worker.start()
+
+    def pod_finished(self, worker: PodWorker) -> None:
+        """Called by a worker's thread when it is done: remove the pod if it was being
+        deleted, free its IP and clean its volumes."""
+        if worker.delete_when_stopped and not self._stopping.is_set():
+            self.delete_pod(worker.pod)
+        volumes.cleanup(worker.dir, worker.pod["metadata"]["uid"])
+        with self._lock:
+            self.workers.pop(worker.pod["metadata"]["uid"], None)
+            if worker.pod_ip.startswith(f"127.10.{self.config.index}."):
+                self._free_ips.append(worker.pod_ip)
+
+    def delete_pod(self, pod: Obj) -> None:
+        meta = pod["metadata"]
+        try:
+            self.core.delete_namespaced_pod(
+                meta["name"], meta["namespace"], grace_period_seconds=0,
+                body={"preconditions": {"uid": meta["uid"]}, "gracePeriodSeconds": 0})
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                log.warning("delete pod %s/%s: %s", meta["namespace"], meta["name"], exc.reason)
+
+    def patch_pod_status(self, pod: Obj, status: dict[str, Any]) -> bool:
+        meta = pod["metadata"]
+        try:
+            self.core.patch_namespaced_pod_status(
+                meta["name"], meta["namespace"],
+                {"metadata": {"uid": meta["uid"]}, "status": status},
+                _content_type="application/strategic-merge-patch+json")
+            return True
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                log.warning("status of %s/%s: %s %s", meta["namespace"], meta["name"],
+                            exc.status, exc.body)
+            return False
+
+    # --- what workers read through the node's credentials --------------------------------
+    def _read(self, fn: Any, namespace: str, name: str) -> Obj | None:
+        try:
+            return json.loads(fn(name, namespace, _preload_content=False).data)  # type: ignore[no-any-return]
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def get_secret(self, namespace: str, name: str) -> Obj | None:
+        return self._read(self.core.read_namespaced_secret, namespace, name)
+
+    def get_config_map(self, namespace: str, name: str) -> Obj | None:
+        return self._read(self.core.read_namespaced_config_map, namespace, name)
+
+    def request_token(self, namespace: str, service_account: str, spec: Obj) -> str:
+        result = self.core.create_namespaced_service_account_token(
+            service_account, namespace, {"spec": dict(spec)})
+        return str(result.status.token)
+
+    def hosts_file(self, namespace: str) -> Path:
+        path = dns.hosts_path(self.config.dns_dir, namespace)
+        if not path.exists():
+            try:  # O_EXCL: never clobber what the DNS publisher already wrote
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                os.write(fd, dns.render([]).encode())
+                os.close(fd)
+            except FileExistsError:
+                pass
+        return path
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def run(self) -> None:
+        self.config.root.mkdir(parents=True, exist_ok=True)
+        self.register()
+        informer = Informer(
+            self.api, self.core.list_pod_for_all_namespaces, self.on_pod_event,
+            name=f"pods-{self.config.name}",
+            field_selector=f"spec.nodeName={self.config.name}")
+        informer.start()
+        log.info("node %s registered (%s); watching its pods", self.config.name, self.node_ip)
+        self.heartbeat_forever()
+        informer.stop()
+
+    def shutdown(self, *_: Any) -> None:
+        """SIGTERM: stop every pod's containers, then exit (the node stays registered and
+        goes NotReady, like a machine that was switched off)."""
+        self._stopping.set()
+        with self._lock:
+            workers = list(self.workers.values())
+        for w in workers:
+            w.request_stop(2.0, delete=False)
+        for w in workers:
+            if w.thread is not None:
+                w.thread.join(timeout=5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        sys.exit("usage: python -m ctj_devcluster.node_agent CONFIG.json")
+    cfg = NodeAgentConfig.from_json(Path(args[0]).read_text())
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s {cfg.name} %(levelname)s %(message)s")
+    agent = NodeAgent(cfg)
+    signal.signal(signal.SIGTERM, agent.shutdown)
+    agent.run()
+
+
+if __name__ == "__main__":
+    main()

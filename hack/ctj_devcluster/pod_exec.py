@@ -1,0 +1,94 @@
+"""Turns this process into a pod's container: namespaces, mounts, then exec.
+
+Run by the node agent as ``python pod_exec.py SPEC.json`` (by path, stdlib only, so that
+nothing of ours is imported into, or left in the environment of, the container). It:
+
+1. asks the kernel to SIGKILL it if the agent dies (losing a node kills its containers),
+2. enters new mount and UTS namespaces (we are root; no container runtime needed), makes
+   every mount private, so nothing below leaks to the host,
+3. sets the pod's hostname, bind-mounts the pod's volumes at their mountPaths (creating
+   missing mount points on the host: empty directories, harmless) and the namespace's
+   hosts file on /etc/hosts, which is how cluster DNS names resolve,
+4. chdirs to workingDir and execs the command with exactly the container's environment.
+
+Exit codes when the command cannot start: 126/127 (like a shell), 128 on setup failure.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+MS_RDONLY = 1
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+PR_SET_PDEATHSIG = 1
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _bind(source: str, target: str, read_only: bool) -> None:
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target) or "/", exist_ok=True)
+        if not os.path.exists(target):
+            open(target, "a").close()
+    _check(_libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None),
+           f"bind {source} on {target}")
+    if read_only:
+        _check(_libc.mount(None, target.encode(), None,
+                           MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC, None),
+               f"remount {target} read-only")
+
+
+def setup(spec: dict) -> None:
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+    if os.getppid() != spec["agent_pid"]:  # the agent died before prctl took effect
+        os._exit(137)
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWUTS), "unshare")
+    _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+    hostname = spec["hostname"].encode()
+    _check(_libc.sethostname(hostname, len(hostname)), "sethostname")
+    for mount in spec["mounts"]:
+        _bind(mount["source"], mount["target"], mount.get("read_only", False))
+    if spec.get("hosts_file"):
+        _bind(spec["hosts_file"], "/etc/hosts", True)
+    os.chdir(spec.get("working_dir") or "/")
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    try:
+        setup(spec)
+    except OSError as exc:
+        print(f"ctj pod_exec: container setup failed: {exc}", file=sys.stderr, flush=True)
+        os._exit(128)
+    argv, env = spec["argv"], spec["env"]
+    try:
+        os.execvpe(argv[0], argv, env)
+    except FileNotFoundError:
+        print(f"ctj pod_exec: {argv[0]}: executable file not found in $PATH "
+              f"({env.get('PATH', '')})", file=sys.stderr, flush=True)
+        os._exit(127)
+    except OSError as exc:
+        print(f"ctj pod_exec: exec {argv[0]}: {exc}", file=sys.stderr, flush=True)
+        os._exit(126)
+
+
+if __name__ == "__main__":
+    main()

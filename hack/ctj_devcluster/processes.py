@@ -1,0 +1,156 @@
+"""Child processes that cannot outlive the cluster that started them.
+
+A test cluster is half a dozen long-running servers plus whatever the simulated nodes run.
+If any of them survives its test session it holds ports and CPU and confuses the next run,
+so every process started here gets three guarantees:
+
+- its own process group (``start_new_session``), so stopping it reaches its children too;
+- ``PR_SET_PDEATHSIG(SIGKILL)``: if the process that started it dies, even by ``kill -9``,
+  the kernel kills it. (The signal fires when the *thread* that forked it exits, so start
+  processes from a thread that lives as long as they should: the main thread, or a
+  long-lived worker.)
+- ``stop()`` sends SIGTERM to the group, waits, then SIGKILLs the group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class ProcessDied(RuntimeError):
+    """A server exited while it should be running; the message holds its log tail."""
+
+
+def die_with_parent() -> None:
+    """preexec_fn: SIGKILL this child when its parent dies. Async-signal-safe enough:
+    one syscall, no allocation beyond what ctypes already holds."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the usual small race is fine
+    for tests: the server binding it fails loudly if it lost)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(
+    predicate: Callable[[], object],
+    *,
+    timeout: float,
+    what: str,
+    interval: float = 0.1,
+    on_timeout: Callable[[], str] | None = None,
+) -> object:
+    """Polls ``predicate`` until it returns something truthy; raises TimeoutError after
+    ``timeout`` seconds naming ``what`` (plus ``on_timeout()``'s diagnostics)."""
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while True:
+        try:
+            result = predicate()
+            if result:
+                return result
+        except ProcessDied:
+            raise
+        except Exception as exc:  # reported if the deadline passes
+            last_error = exc
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {last_error!r})" if last_error else ""
+            extra = f"\n{on_timeout()}" if on_timeout else ""
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}{detail}{extra}")
+        time.sleep(interval)
+
+
+@dataclass
+class ManagedProcess:
+    """One server process, its output appended to ``log_path``."""
+
+    name: str
+    argv: Sequence[str]
+    log_path: Path
+    env: Mapping[str, str] | None = None
+    cwd: Path | None = None
+    popen: subprocess.Popen[bytes] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.argv:
+            raise ValueError(f"{self.name}: empty argv")
+
+    def start(self) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(
+                list(self.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(self.env) if self.env is not None else None,
+                cwd=self.cwd,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        if self.popen is None:
+            raise RuntimeError(f"{self.name} not started")
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return f"[{self.name}: no log]"
+        return f"[{self.name} log: {self.log_path}]\n" + "\n".join(text[-lines:])
+
+    def check_alive(self) -> None:
+        """Raises with the log tail if the process has exited (a server should not)."""
+        if self.popen is not None and self.popen.poll() is not None:
+            raise ProcessDied(
+                f"{self.name} exited with {self.popen.returncode}\n{self.log_tail()}"
+            )
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once: what losing a machine looks like."""
+        self._signal_group(signal.SIGKILL)
+        if self.popen is not None:
+            self.popen.wait()
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM the group, wait up to ``grace`` seconds, then SIGKILL it."""
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        # The leader may be gone while children of the group remain: kill those too.
+        self._signal_group(signal.SIGKILL)
+        self.popen.wait()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        if self.popen is None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
