@@ -3,10 +3,10 @@
 Pure functions, no I/O. Two rules make deltas cheap and reads verifiable:
 
 * Chunk boundaries follow the file's item (tensor) layout: every item larger
-  than a block starts a new chunk and is cut into ``chunk_size`` pieces from
-  its own start; small items are packed together up to one block. An unchanged
-  tensor therefore gives byte-identical chunks whatever changed around it, and
-  a changed small tensor costs at most one block of upload.
+  than ``pack_size`` starts a new chunk and is cut into ``chunk_size`` pieces
+  from its own start; smaller items are packed together up to ``pack_size``.
+  An unchanged tensor therefore gives byte-identical chunks whatever changed
+  around it, and a changed small tensor costs at most one pack of upload.
 * A chunk's id is BLAKE3 over the BLAKE3 digests of its fixed-size blocks (a
   two-level hash tree). A ranged read fetches whole blocks and checks each
   against the manifest, so resharding loads verify what they read without
@@ -23,6 +23,7 @@ import blake3
 MIB = 1 << 20
 DEFAULT_BLOCK_SIZE = 1 * MIB
 DEFAULT_CHUNK_SIZE = 8 * MIB
+DEFAULT_PACK_SIZE = 256 * 1024
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -36,15 +37,15 @@ class Span:
 
 
 def plan_chunks(
-    items: Sequence[Span], *, file_size: int, chunk_size: int, block_size: int
+    items: Sequence[Span], *, file_size: int, chunk_size: int, pack_size: int = DEFAULT_PACK_SIZE
 ) -> list[Span]:
     """Chunk boundaries for a file whose items are laid end to end from offset 0.
 
     Bytes not covered by an item (there should be none) are packed like a small item,
     so the chunks always cover the whole file exactly once.
     """
-    if chunk_size % block_size:
-        raise ValueError("chunk_size must be a multiple of block_size")
+    if not 0 < pack_size <= chunk_size:
+        raise ValueError("pack_size must be positive and at most chunk_size")
     spans = sorted((s for s in items if s.length > 0), key=lambda s: s.offset)
     chunks: list[Span] = []
     pack_start: int | None = None
@@ -58,7 +59,7 @@ def plan_chunks(
 
     def add_small(start: int, end: int) -> None:
         nonlocal pack_start
-        if pack_start is not None and end - pack_start > block_size:
+        if pack_start is not None and end - pack_start > pack_size:
             flush(start)
         if pack_start is None:
             pack_start = start
@@ -68,7 +69,7 @@ def plan_chunks(
             raise ValueError(f"overlapping items at offset {span.offset}")
         if span.offset > pos:  # a gap: treat as a small filler
             add_small(pos, span.offset)
-        if span.length > block_size:
+        if span.length > pack_size:
             flush(span.offset)
             start = span.offset
             while start < span.end:

@@ -74,9 +74,9 @@ class LocalStore:
         base = self.root / head if head else self.root
         if not base.is_dir():
             return
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames.sort()
-            for name in sorted(filenames):
+        found: list[ObjectInfo] = []
+        for dirpath, _dirnames, filenames in os.walk(base):
+            for name in filenames:
                 if name.startswith(_TMP_PREFIX):
                     continue
                 full = Path(dirpath) / name
@@ -87,7 +87,8 @@ class LocalStore:
                     st = full.stat()
                 except FileNotFoundError:
                     continue
-                yield ObjectInfo(key, st.st_size, st.st_mtime)
+                found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        yield from sorted(found, key=lambda o: o.key)  # S3's order: by key
 
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:

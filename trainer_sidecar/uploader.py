@@ -38,6 +38,7 @@ class StagedFile:
 class UploadSettings:
     chunk_size: int = chunking.DEFAULT_CHUNK_SIZE
     block_size: int = chunking.DEFAULT_BLOCK_SIZE
+    pack_size: int = chunking.DEFAULT_PACK_SIZE
     parallelism: int = 8
     compression: str = "none"  # none | zstd
     zstd_level: int = 1
@@ -117,7 +118,7 @@ def upload_rank(
                     staged.items,
                     file_size=len(view),
                     chunk_size=settings.chunk_size,
-                    block_size=settings.block_size,
+                    pack_size=min(settings.pack_size, settings.chunk_size),
                 )
                 refs = _run_bounded(
                     pool,

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import pytest
+
+from trainer_sidecar.manifest import Manifest
+from trainer_sidecar.objectstore import ObjectInfo
+from trainer_sidecar.policy import ManifestSummary, plan_gc, plan_retention, plan_save
+
+
+def manifest(step: int, *, mode: str, base: int, since_full: int) -> Manifest:
+    return Manifest(
+        step=step, mode=mode, parent_step=None, base_step=base, since_full=since_full,
+        world_size=1, block_size=1024, files={}, logical_bytes=0, uploaded_bytes=0,
+        deduplicated_bytes=0, created=0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "full_every", "latest", "want"),
+    [
+        ("incremental", 5, None, ("full", None, 10, 0, None)),
+        ("full", 5, manifest(9, mode="full", base=9, since_full=0), ("full", 9, 10, 0, None)),
+        ("incremental", 5, manifest(9, mode="full", base=9, since_full=0),
+         ("incremental", 9, 9, 1, 9)),
+        ("incremental", 5, manifest(9, mode="incremental", base=5, since_full=3),
+         ("incremental", 9, 5, 4, 9)),
+        ("incremental", 5, manifest(9, mode="incremental", base=5, since_full=4),
+         ("full", 9, 10, 0, None)),
+        ("differential", 5, manifest(9, mode="differential", base=5, since_full=2),
+         ("differential", 9, 5, 3, 5)),
+        ("differential", 1, manifest(9, mode="full", base=9, since_full=0),
+         ("full", 9, 10, 0, None)),
+    ],
+)
+def test_plan_save(mode: str, full_every: int, latest: Manifest | None, want: tuple) -> None:
+    plan = plan_save(10, mode=mode, full_every=full_every, latest=latest)
+    assert (plan.mode, plan.parent_step, plan.base_step, plan.since_full, plan.reference_step) == want
+
+
+@pytest.mark.parametrize(
+    ("manifests", "keep", "doomed"),
+    [
+        ([(1, 1), (2, 1), (3, 1), (4, 1)], 2, [2]),  # base 1 kept for the kept deltas
+        ([(1, 1), (2, 2), (3, 2), (4, 2)], 2, [1]),
+        ([(1, 1), (2, 2)], 5, []),
+        ([(1, 1), (2, 2), (3, 3)], 0, []),  # 0 keeps everything
+        ([(5, 5), (1, 1), (3, 3)], 1, [1, 3]),
+    ],
+)
+def test_plan_retention(manifests: list[tuple[int, int]], keep: int, doomed: list[int]) -> None:
+    summaries = [ManifestSummary(s, b) for s, b in manifests]
+    assert plan_retention(summaries, keep) == doomed
+
+
+def test_plan_gc_spares_referenced_and_young_objects() -> None:
+    objects = [
+        ObjectInfo("chunks/aa/old-orphan", 1, 0.0),
+        ObjectInfo("chunks/bb/young-orphan", 1, 95.0),
+        ObjectInfo("chunks/cc/old-referenced", 1, 0.0),
+    ]
+    got = plan_gc(objects, {"chunks/cc/old-referenced"}, now=100.0, grace_s=10.0)
+    assert got == ["chunks/aa/old-orphan"]
