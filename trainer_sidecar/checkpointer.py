@@ -162,7 +162,11 @@ class Checkpointer:
         total = time.monotonic() - started
         log.info(
             "committed step %d (%s): %d bytes, %d uploaded, %.2fs",
-            step, manifest.mode, manifest.logical_bytes, manifest.uploaded_bytes, total,
+            step,
+            manifest.mode,
+            manifest.logical_bytes,
+            manifest.uploaded_bytes,
+            total,
         )
         return SaveResult(
             step=step,
@@ -177,8 +181,13 @@ class Checkpointer:
     def _upload(self, step: int, rank: int, directory: Path, reference: int | None) -> str | None:
         """Upload this rank's staged files; an error message instead of raising (collective)."""
         try:
-            files = [StagedFile(rank_file_name(rank), str(directory / rank_file_name(rank)),
-                                read_items(directory, rank))]
+            files = [
+                StagedFile(
+                    rank_file_name(rank),
+                    str(directory / rank_file_name(rank)),
+                    read_items(directory, rank),
+                )
+            ]
             if (directory / METADATA_FILE).exists():
                 files.append(StagedFile(METADATA_FILE, str(directory / METADATA_FILE), ()))
             known = (
@@ -187,7 +196,11 @@ class Checkpointer:
                 else set()
             )
             upload_rank(
-                self.store, step=step, rank=rank, files=files, reference=known,
+                self.store,
+                step=step,
+                rank=rank,
+                files=files,
+                reference=known,
                 settings=self.upload_settings,
             )
             return None
@@ -229,7 +242,8 @@ class Checkpointer:
         started = time.monotonic()
         steps = collectives.decided_by_rank0(
             lambda: [
-                s for s in reversed(repository.committed_steps(self.store))
+                s
+                for s in reversed(repository.committed_steps(self.store))
                 if step is None or s <= step
             ],
             self.group,

@@ -89,9 +89,7 @@ class ChunkReader:
         first = a // bs
         for k in range(0, max(len(data), 1), bs):
             if blake3.blake3(view[k : k + bs]).hexdigest() != chunk.blocks[first + k // bs]:
-                raise CorruptCheckpointError(
-                    self.manifest.step, chunk.id, "fails its hash check"
-                )
+                raise CorruptCheckpointError(self.manifest.step, chunk.id, "fails its hash check")
         return data[start - a : end - a]
 
     def _count(self, n: int) -> None:
@@ -114,8 +112,10 @@ class ChunkReader:
                 chunk = index.entry.chunks[i]
                 pieces.append((n, chunk, s, e))
                 chunks[chunk.id] = chunk
-                span = (0, chunk.size) if chunk.codec == "zstd" or not chunk.size else (
-                    blocks_for_range(s, e, chunk.size, bs)
+                span = (
+                    (0, chunk.size)
+                    if chunk.codec == "zstd" or not chunk.size
+                    else (blocks_for_range(s, e, chunk.size, bs))
                 )
                 wanted.setdefault(chunk.id, []).append(span)
         fetches = [(cid, a, b) for cid, spans in wanted.items() for a, b in _merge(spans)]

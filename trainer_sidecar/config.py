@@ -29,7 +29,7 @@ class CheckpointConfig:
     uri: str
     """Where the job's checkpoints live: s3://bucket/prefix or file:///dir."""
     mode: str = "incremental"
-    """full | incremental (delta against the previous checkpoint) | differential (against the last full)."""
+    """full | incremental (vs the previous checkpoint) | differential (vs the last full)."""
     full_every: int = 10
     """Every N-th checkpoint is a full one (1 = always full)."""
     keep_last: int = 3
@@ -96,8 +96,12 @@ class CheckpointConfig:
                 try:
                     values[field] = typ(env[var])
                 except ValueError:
-                    raise CheckpointError(f"{var}={env[var]!r} is not a valid {typ.__name__}") from None
+                    raise CheckpointError(
+                        f"{var}={env[var]!r} is not a valid {typ.__name__}"
+                    ) from None
         values.update(overrides)
         if "uri" not in values:
-            raise CheckpointError("no checkpoint location: set CTJ_CHECKPOINT_URI (s3://bucket/prefix)")
+            raise CheckpointError(
+                "no checkpoint location: set CTJ_CHECKPOINT_URI (s3://bucket/prefix)"
+            )
         return cls(**values)

@@ -24,7 +24,6 @@ import math
 import os
 import pickle
 import warnings
-from torch.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
 from .chunk_reader import ChunkReader
 from .chunking import Span
@@ -137,9 +137,32 @@ class StagingWriter(StorageWriter):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _TensorLayout:
+class TensorLayout:
     dtype: torch.dtype
     sizes: tuple[int, ...]  # of the saved chunk
+
+
+def tensor_layouts(metadata: Metadata) -> dict[MetadataIndex, TensorLayout]:
+    """dtype and shape of every saved tensor chunk, by its metadata index."""
+    layouts = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            for i, chunk in enumerate(md.chunks):
+                layouts[MetadataIndex(fqn, chunk.offsets, i)] = TensorLayout(
+                    md.properties.dtype, tuple(chunk.sizes)
+                )
+    return layouts
+
+
+def layout_of(layouts: dict[MetadataIndex, TensorLayout], index: MetadataIndex) -> TensorLayout:
+    found = layouts.get(index)
+    if found is None:  # the index hint may differ; match on fqn and offsets
+        found = next(
+            lay
+            for key, lay in layouts.items()
+            if key.fqn == index.fqn and key.offset == index.offset
+        )
+    return found
 
 
 class ChunkedStorageReader(StorageReader):
@@ -162,12 +185,7 @@ class ChunkedStorageReader(StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self.metadata = metadata
-        self.layouts: dict[MetadataIndex, _TensorLayout] = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                for i, chunk in enumerate(md.chunks):
-                    index = MetadataIndex(fqn, chunk.offsets, i)
-                    self.layouts[index] = _TensorLayout(md.properties.dtype, tuple(chunk.sizes))
+        self.layouts = tensor_layouts(metadata)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -180,16 +198,8 @@ class ChunkedStorageReader(StorageReader):
         path, offset, length = self.metadata.storage_data[item.storage_index]
         return str(path), int(offset), int(length)
 
-    def _layout(self, item: ReadItem) -> _TensorLayout:
-        index = item.storage_index
-        found = self.layouts.get(index)
-        if found is None:  # the index hint may differ; match on fqn and offsets
-            found = next(
-                lay
-                for key, lay in self.layouts.items()
-                if key.fqn == index.fqn and key.offset == index.offset
-            )
-        return found
+    def _layout(self, item: ReadItem) -> TensorLayout:
+        return layout_of(self.layouts, item.storage_index)
 
     def _byte_range(self, item: ReadItem) -> tuple[str, int, int, tuple[int, ...]]:
         """The contiguous bytes holding the requested rows, and their shape."""

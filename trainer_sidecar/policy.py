@@ -55,6 +55,4 @@ def plan_gc(
     A save uploads chunks before any record names them; the grace period (longer
     than any save takes) is what keeps those safe.
     """
-    return [
-        o.key for o in objects if o.key not in referenced and now - o.last_modified >= grace_s
-    ]
+    return [o.key for o in objects if o.key not in referenced and now - o.last_modified >= grace_s]

@@ -14,8 +14,13 @@ from collections.abc import Callable
 
 from . import policy
 from .chunk_reader import ChunkReader
-from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, ObjectExists
-from .errors import ObjectNotFound
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    ObjectExists,
+    ObjectNotFound,
+)
 from .manifest import (
     CHUNKS,
     MANIFESTS,
@@ -171,8 +176,7 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
     stale_parts = [
         o.key
         for o in part_objects
-        if int(o.key[len(PARTS) :].split("/")[0]) in committed
-        or now - o.last_modified >= grace_s
+        if int(o.key[len(PARTS) :].split("/")[0]) in committed or now - o.last_modified >= grace_s
     ]
     if not dry_run:
         store.delete(sorted(doomed))

@@ -146,7 +146,7 @@ def _run_bounded(
     *,
     limit: int,
 ) -> list[ChunkRef]:
-    """fn over views in order, with at most ``limit`` in flight; the first error cancels the rest."""
+    """fn over views in order, at most ``limit`` in flight; the first error cancels the rest."""
     results: list[ChunkRef | None] = [None] * len(views)
     pending: dict[cf.Future[ChunkRef], int] = {}
     try:

@@ -24,7 +24,7 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def change_tenth(model: torch.nn.Module, round_: int) -> None:
-    """Change 2 of the 20 weight matrices (10% of the tensors' bytes), a different pair each round."""
+    """Change 2 of the 20 weight matrices (10% of the bytes), a different pair each round."""
     with torch.no_grad():
         for i in (2 * round_ % LAYERS, (2 * round_ + 1) % LAYERS):
             model[i].weight.add_(1.0)
@@ -96,8 +96,9 @@ def test_chain_of_five_uploads_deltas_and_restores_bitwise(
 
 
 def test_retention_keeps_last_k_and_their_base(s3_uri: str, s3_env: dict[str, str]) -> None:
-    config = CheckpointConfig(uri=s3_uri, mode="differential", full_every=100, keep_last=2,
-                              gc_grace_s=0)
+    config = CheckpointConfig(
+        uri=s3_uri, mode="differential", full_every=100, keep_last=2, gc_grace_s=0
+    )
     ckpt = Checkpointer(config)
     model = make_model(0)
     for step in range(1, 5):

@@ -15,8 +15,11 @@ KB = 1024
         # small items are packed up to pack_size, then a new pack starts
         ([Span(0, KB), Span(KB, KB), Span(2 * KB, KB)], 3 * KB, [(0, 2 * KB), (2 * KB, KB)]),
         # a large item closes the pack before it and starts at its own offset
-        ([Span(0, KB), Span(KB, 5 * KB), Span(6 * KB, KB)], 7 * KB,
-         [(0, KB), (KB, 4 * KB), (5 * KB, KB), (6 * KB, KB)]),
+        (
+            [Span(0, KB), Span(KB, 5 * KB), Span(6 * KB, KB)],
+            7 * KB,
+            [(0, KB), (KB, 4 * KB), (5 * KB, KB), (6 * KB, KB)],
+        ),
         # bytes after the last item are still covered
         ([Span(0, KB)], 3 * KB, [(0, KB), (KB, 2 * KB)]),
         ([], 0, []),
@@ -56,7 +59,12 @@ def test_chunk_id_depends_on_every_block() -> None:
 
 @pytest.mark.parametrize(
     ("start", "end", "want"),
-    [(0, 1, (0, KB)), (KB + 5, KB + 6, (KB, 2 * KB)), (10, 2500, (0, 2500)), (2048, 2500, (2048, 2500))],
+    [
+        (0, 1, (0, KB)),
+        (KB + 5, KB + 6, (KB, 2 * KB)),
+        (10, 2500, (0, 2500)),
+        (2048, 2500, (2048, 2500)),
+    ],
 )
 def test_blocks_for_range(start: int, end: int, want: tuple[int, int]) -> None:
     assert blocks_for_range(start, end, 2500, KB) == want

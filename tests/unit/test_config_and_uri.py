@@ -22,7 +22,11 @@ def test_location_parse(uri: str, want: Location) -> None:
 
 @pytest.mark.parametrize(
     ("uri", "message"),
-    [("gs://bucket/x", "unsupported URI scheme 'gs'"), ("s3:///x", "names no bucket"), ("", "empty")],
+    [
+        ("gs://bucket/x", "unsupported URI scheme 'gs'"),
+        ("s3:///x", "names no bucket"),
+        ("", "empty"),
+    ],
 )
 def test_bad_uri_names_problem_and_fix(uri: str, message: str) -> None:
     with pytest.raises(CheckpointError, match=message) as info:
@@ -46,22 +50,37 @@ def test_config_validation_names_field(field: str, value: object, message: str) 
 
 def test_config_from_env() -> None:
     cfg = CheckpointConfig.from_env(
-        {"CTJ_CHECKPOINT_URI": "s3://b/p", "CTJ_CHECKPOINT_MODE": "differential",
-         "CTJ_CHECKPOINT_FULL_EVERY": "4"}
+        {
+            "CTJ_CHECKPOINT_URI": "s3://b/p",
+            "CTJ_CHECKPOINT_MODE": "differential",
+            "CTJ_CHECKPOINT_FULL_EVERY": "4",
+        }
     )
     assert (cfg.uri, cfg.mode, cfg.full_every) == ("s3://b/p", "differential", 4)
     with pytest.raises(CheckpointError, match="CTJ_CHECKPOINT_URI"):
         CheckpointConfig.from_env({})
     with pytest.raises(CheckpointError, match="CTJ_CHECKPOINT_KEEP_LAST='x'"):
-        CheckpointConfig.from_env({"CTJ_CHECKPOINT_URI": "s3://b/p", "CTJ_CHECKPOINT_KEEP_LAST": "x"})
+        CheckpointConfig.from_env(
+            {"CTJ_CHECKPOINT_URI": "s3://b/p", "CTJ_CHECKPOINT_KEEP_LAST": "x"}
+        )
 
 
 def test_manifest_round_trip() -> None:
     chunk = ChunkRef("ab" * 32, 10, 8, "zstd", ("cd" * 32,))
     m = Manifest(
-        step=7, mode="incremental", parent_step=6, base_step=5, since_full=2, world_size=4,
-        block_size=1 << 20, files={"__0_0.distcp": FileEntry(10, (chunk,))}, logical_bytes=10,
-        uploaded_bytes=8, deduplicated_bytes=2, created=1.5, timings={"stage": 0.1},
+        step=7,
+        mode="incremental",
+        parent_step=6,
+        base_step=5,
+        since_full=2,
+        world_size=4,
+        block_size=1 << 20,
+        files={"__0_0.distcp": FileEntry(10, (chunk,))},
+        logical_bytes=10,
+        uploaded_bytes=8,
+        deduplicated_bytes=2,
+        created=1.5,
+        timings={"stage": 0.1},
         versions={"ctj": "0.1.0"},
     )
     assert Manifest.from_bytes(m.to_bytes()) == m

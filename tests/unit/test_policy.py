@@ -9,9 +9,18 @@ from trainer_sidecar.policy import ManifestSummary, plan_gc, plan_retention, pla
 
 def manifest(step: int, *, mode: str, base: int, since_full: int) -> Manifest:
     return Manifest(
-        step=step, mode=mode, parent_step=None, base_step=base, since_full=since_full,
-        world_size=1, block_size=1024, files={}, logical_bytes=0, uploaded_bytes=0,
-        deduplicated_bytes=0, created=0.0,
+        step=step,
+        mode=mode,
+        parent_step=None,
+        base_step=base,
+        since_full=since_full,
+        world_size=1,
+        block_size=1024,
+        files={},
+        logical_bytes=0,
+        uploaded_bytes=0,
+        deduplicated_bytes=0,
+        created=0.0,
     )
 
 
@@ -20,21 +29,47 @@ def manifest(step: int, *, mode: str, base: int, since_full: int) -> Manifest:
     [
         ("incremental", 5, None, ("full", None, 10, 0, None)),
         ("full", 5, manifest(9, mode="full", base=9, since_full=0), ("full", 9, 10, 0, None)),
-        ("incremental", 5, manifest(9, mode="full", base=9, since_full=0),
-         ("incremental", 9, 9, 1, 9)),
-        ("incremental", 5, manifest(9, mode="incremental", base=5, since_full=3),
-         ("incremental", 9, 5, 4, 9)),
-        ("incremental", 5, manifest(9, mode="incremental", base=5, since_full=4),
-         ("full", 9, 10, 0, None)),
-        ("differential", 5, manifest(9, mode="differential", base=5, since_full=2),
-         ("differential", 9, 5, 3, 5)),
-        ("differential", 1, manifest(9, mode="full", base=9, since_full=0),
-         ("full", 9, 10, 0, None)),
+        (
+            "incremental",
+            5,
+            manifest(9, mode="full", base=9, since_full=0),
+            ("incremental", 9, 9, 1, 9),
+        ),
+        (
+            "incremental",
+            5,
+            manifest(9, mode="incremental", base=5, since_full=3),
+            ("incremental", 9, 5, 4, 9),
+        ),
+        (
+            "incremental",
+            5,
+            manifest(9, mode="incremental", base=5, since_full=4),
+            ("full", 9, 10, 0, None),
+        ),
+        (
+            "differential",
+            5,
+            manifest(9, mode="differential", base=5, since_full=2),
+            ("differential", 9, 5, 3, 5),
+        ),
+        (
+            "differential",
+            1,
+            manifest(9, mode="full", base=9, since_full=0),
+            ("full", 9, 10, 0, None),
+        ),
     ],
 )
 def test_plan_save(mode: str, full_every: int, latest: Manifest | None, want: tuple) -> None:
     plan = plan_save(10, mode=mode, full_every=full_every, latest=latest)
-    assert (plan.mode, plan.parent_step, plan.base_step, plan.since_full, plan.reference_step) == want
+    assert (
+        plan.mode,
+        plan.parent_step,
+        plan.base_step,
+        plan.since_full,
+        plan.reference_step,
+    ) == want
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,222 @@
+"""The ``ctj`` command: inspect and manage a job's checkpoints.
+
+    ctj checkpoints ls|show|verify|gc|rm|export URI ...
+
+A user mistake (bad URI, missing bucket, wrong credentials, unknown step)
+prints one line, ``ctj: error: ...``, and exits 2; a corrupt checkpoint found
+by ``verify`` exits 1. Long work shows a progress bar on a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from tqdm import tqdm
+
+from . import repository as repo
+from .errors import CheckpointError, NoCheckpointError
+from .export import export_dcp, export_torch_save
+from .manifest import Manifest
+from .objectstore import ObjectStore
+from .store_s3 import S3Settings, open_store
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _age(ts: float) -> str:
+    s = max(0, int(time.time() - ts))
+    return f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h"
+
+
+@contextmanager
+def _progress(total: int, desc: str) -> Iterator[Callable[[int], None]]:
+    with tqdm(
+        total=total, desc=desc, unit="B", unit_scale=True, disable=None, file=sys.stderr
+    ) as bar:
+        yield bar.update
+
+
+def _store(args: argparse.Namespace) -> ObjectStore:
+    return open_store(args.uri, S3Settings.from_env(endpoint_url=args.endpoint_url))
+
+
+def _manifest(store: ObjectStore, step: int | None) -> Manifest:
+    if step is not None:
+        return repo.read_manifest(store, step)
+    latest = repo.latest_manifest(store)
+    if latest is None:
+        raise NoCheckpointError("no committed checkpoint at this location")
+    return latest
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = _store(args)
+    rows = [repo.read_manifest(store, s) for s in repo.committed_steps(store)]
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "step": m.step,
+                        "mode": m.mode,
+                        "base_step": m.base_step,
+                        "world_size": m.world_size,
+                        "logical_bytes": m.logical_bytes,
+                        "uploaded_bytes": m.uploaded_bytes,
+                        "created": m.created,
+                    }
+                    for m in rows
+                ]
+            )
+        )
+        return 0
+    if not rows:
+        print("no committed checkpoints")
+        return 0
+    print(
+        f"{'STEP':>10}  {'MODE':<12} {'BASE':>10}  {'WORLD':>5}  "
+        f"{'SIZE':>10}  {'UPLOADED':>10}  AGE"
+    )
+    for m in rows:
+        print(
+            f"{m.step:>10}  {m.mode:<12} {m.base_step:>10}  {m.world_size:>5}  "
+            f"{_size(m.logical_bytes):>10}  {_size(m.uploaded_bytes):>10}  {_age(m.created)}"
+        )
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    m = _manifest(_store(args), args.step)
+    if args.json:
+        print(m.to_bytes().decode())
+        return 0
+    created = datetime.datetime.fromtimestamp(m.created, datetime.UTC).isoformat(timespec="seconds")
+    print(f"step {m.step}  mode {m.mode}  base {m.base_step}  parent {m.parent_step}")
+    print(f"world size {m.world_size}  created {created}  versions {m.versions}")
+    print(
+        f"bytes: logical {_size(m.logical_bytes)}, uploaded {_size(m.uploaded_bytes)}, "
+        f"deduplicated {_size(m.deduplicated_bytes)}"
+    )
+    print(f"timings: {', '.join(f'{k} {v:.3f}s' for k, v in sorted(m.timings.items()))}")
+    for name, f in sorted(m.files.items()):
+        print(f"  {name:<20} {_size(f.size):>10}  {len(f.chunks)} chunks")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store = _store(args)
+    steps = repo.committed_steps(store) if args.all else [_manifest(store, args.step).step]
+    bad = 0
+    for step in steps:
+        m = repo.read_manifest(store, step)
+        with _progress(m.logical_bytes, f"verify {step}") as update:
+            problems = repo.verify(store, m, progress=update)
+        if problems:
+            bad += 1
+            for p in problems:
+                print(f"step {step}: CORRUPT: {p.reason}: chunk {p.chunk_id}")
+        else:
+            print(f"step {step}: ok ({_size(m.logical_bytes)} verified)")
+    return 1 if bad else 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    report = repo.collect_garbage(_store(args), grace_s=args.grace, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    print(
+        f"{verb} {report.deleted_chunks} chunks ({_size(report.deleted_bytes)}) and "
+        f"{report.deleted_parts} stale parts; {report.kept_chunks} chunks in use or in grace"
+    )
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    store = _store(args)
+    repo.remove(store, args.steps)
+    print(
+        f"removed checkpoint(s) {', '.join(map(str, args.steps))}; "
+        "run `ctj checkpoints gc` to free their chunks"
+    )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    store = _store(args)
+    m = _manifest(store, args.step)
+    with _progress(m.logical_bytes, f"export {m.step}") as update:
+        out = export_dcp(store, m, args.out_dir, progress=update)
+    print(
+        f"exported step {m.step} to {out} (plain DCP: torch.distributed.checkpoint.load reads it)"
+    )
+    if args.torch_save:
+        export_torch_save(out, args.torch_save)
+        print(f"wrote {args.torch_save} (torch.save of the full state)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ctj", description="ctj: fault-tolerant PyTorch training")
+    top = parser.add_subparsers(dest="command", required=True)
+    ck = top.add_parser("checkpoints", help="inspect and manage a job's checkpoints")
+    sub = ck.add_subparsers(dest="action", required=True)
+
+    def add(
+        name: str, fn: Callable[[argparse.Namespace], int], help_: str
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("uri", help="s3://bucket/prefix or file:///dir")
+        p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
+        p.set_defaults(fn=fn)
+        return p
+
+    p = add("ls", cmd_ls, "list committed checkpoints")
+    p.add_argument("--json", action="store_true")
+    p = add("show", cmd_show, "show one checkpoint's manifest (default: the latest)")
+    p.add_argument("--step", type=int)
+    p.add_argument("--json", action="store_true")
+    p = add("verify", cmd_verify, "read every chunk and check its hash")
+    p.add_argument("--step", type=int)
+    p.add_argument("--all", action="store_true", help="verify every committed checkpoint")
+    p = add("gc", cmd_gc, "delete chunks no checkpoint references")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=3600.0,
+        help="keep unreferenced chunks younger than this many seconds (default 3600)",
+    )
+    p.add_argument("--dry-run", action="store_true")
+    p = add("rm", cmd_rm, "remove checkpoints (their chunks go at the next gc)")
+    p.add_argument("steps", type=int, nargs="+")
+    p = add("export", cmd_export, "write a plain DCP directory stock torch can load")
+    p.add_argument("out_dir")
+    p.add_argument("--step", type=int)
+    p.add_argument("--torch-save", metavar="FILE", help="also write one torch.save file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except CheckpointError as exc:
+        print(f"ctj: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ctj: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
