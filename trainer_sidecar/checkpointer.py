@@ -261,7 +261,7 @@ class Checkpointer:
                     storage_reader=ChunkedStorageReader(reader),
                     process_group=self.group,
                 )
-            except Exception as exc:  # noqa: BLE001 - sorted below
+            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
                 corrupt = find_corruption(exc)
                 if corrupt is None:
                     raise _explain_load_failure(exc, candidate) from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -106,3 +107,51 @@ def load_and_compare(args: dict[str, Any]) -> None:
     if dist.get_rank() == 0:
         assert_bitwise_equal(got, torch.load(args["ref"], weights_only=True))
     train(model, opt, 1)  # the loaded state trains on
+
+
+class HangingStore:
+    """A real store that stops dead after ``limit`` puts: a save frozen mid-upload."""
+
+    def __init__(self, inner: Any, limit: int, marker: str) -> None:
+        self.inner, self.limit, self.marker, self.puts = inner, limit, marker, 0
+
+    def put(self, key: str, data: Any, *, if_absent: bool = False) -> None:
+        if self.puts >= self.limit:
+            with open(self.marker, "w") as f:
+                f.write(key)
+            threading.Event().wait()  # until SIGKILL
+        self.puts += 1
+        self.inner.put(key, data, if_absent=if_absent)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def save_then_die_mid_upload(args: dict[str, Any]) -> None:
+    """Commit step 1, then freeze step 2 after a few chunk uploads (the test kills -9)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    ckpt = Checkpointer(config(args))
+    ckpt.save(1, model=model)
+    torch.save(model.state_dict(), args["ref"])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    hanging = HangingStore(ckpt.store, limit=3, marker=args["marker"])
+    Checkpointer(config(args), store=hanging).save(2, model=model)
+    raise AssertionError("the save should have hung")
+
+
+def stock_load_of_export(args: dict[str, Any]) -> None:
+    """Single process, no ctj reader: stock DCP loads the exported directory."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(42)
+    plain = Net()
+    state = {"model": plain.state_dict()}
+    dcp.load(state, checkpoint_id=args["export_dir"])  # FileSystemReader
+    want = torch.load(args["ref"], weights_only=True)["model"]
+    assert_bitwise_equal(state["model"], want)
+    whole = torch.load(args["torch_save"], weights_only=False)
+    assert_bitwise_equal(whole["model"], want)
+    assert whole["extra"] == {"step": args["step"], "pos": 7}

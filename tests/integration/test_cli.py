@@ -1,0 +1,106 @@
+"""The ctj command as a user runs it: export for stock torch, one-line errors for mistakes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, free_port, wait_for_port
+from tests.integration.ranks import run_ranks
+from trainer_sidecar import CheckpointConfig, Checkpointer, CheckpointError
+
+pytestmark = pytest.mark.integration
+
+
+def ctj(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer_sidecar", *args],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, **(env or {})),
+    )
+
+
+def test_export_is_read_by_stock_dcp_bitwise(s3_uri: str, tmp_path: Path) -> None:
+    args = {"kind": "fsdp", "uri": s3_uri, "step": 3, "ref": str(tmp_path / "ref.pt"),
+            "export_dir": str(tmp_path / "plain"), "torch_save": str(tmp_path / "full.pt")}
+    run_ranks(2, "tests.integration.workers:save", args)
+
+    out = ctj("checkpoints", "ls", s3_uri)
+    assert out.returncode == 0 and "full" in out.stdout and "3" in out.stdout, out
+    out = ctj("checkpoints", "export", s3_uri, args["export_dir"], "--torch-save",
+              args["torch_save"])
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "plain" / ".metadata").exists()
+    run_ranks(1, "tests.integration.workers:stock_load_of_export", args)
+
+
+@pytest.fixture
+def s3_with_auth() -> Iterator[str]:
+    """A second S3 server that checks credentials (moto with IAM auth on)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="0"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, proc, 60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess[str], *phrases: str) -> None:
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ctj: error: "), out.stderr
+    assert "Traceback" not in out.stderr
+    for phrase in phrases:
+        assert phrase in lines[0], (phrase, lines[0])
+
+
+def test_wrong_scheme() -> None:
+    assert_one_line_error(ctj("checkpoints", "ls", "gs://bucket/x"),
+                          "unsupported URI scheme 'gs'", "use s3://bucket/prefix")
+
+
+def test_missing_bucket(s3_env: dict[str, str]) -> None:
+    assert_one_line_error(ctj("checkpoints", "ls", "s3://no-such-bucket/x"),
+                          "bucket 'no-such-bucket' does not exist", "create it")
+
+
+def test_wrong_credentials(s3_with_auth: str) -> None:
+    env = {"AWS_ENDPOINT_URL": s3_with_auth, "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG1",
+           "AWS_SECRET_ACCESS_KEY": "wrong-secret", "AWS_REGION": "us-east-1"}
+    out = ctj("checkpoints", "ls", "s3://bucket/x", env=env)
+    assert_one_line_error(out, "refused our credentials", "AWS_ACCESS_KEY_ID")
+    assert "wrong-secret" not in out.stderr and "AKIAWRONG" not in out.stderr
+
+
+def test_unreachable_endpoint(s3_env: dict[str, str]) -> None:
+    closed = f"http://127.0.0.1:{free_port()}"
+    out = ctj("checkpoints", "ls", "s3://bucket/x", "--endpoint-url", closed,
+              env={"CTJ_S3_MAX_ATTEMPTS": "2"})
+    assert_one_line_error(out, "cannot reach the S3 endpoint", closed)
+
+
+def test_unknown_step(s3_uri: str) -> None:
+    assert_one_line_error(ctj("checkpoints", "show", s3_uri, "--step", "9"),
+                          "no committed checkpoint at step 9")
+
+
+def test_state_that_does_not_match_the_checkpoint(s3_uri: str) -> None:
+    import torch
+
+    config = CheckpointConfig(uri=s3_uri)
+    Checkpointer(config).save(1, model=torch.nn.Linear(4, 4))
+    with pytest.raises(CheckpointError, match="does not match the state being loaded") as info:
+        Checkpointer(config).load(model=torch.nn.Linear(4, 8))
+    assert "load it into the same model" in str(info.value)
+    with pytest.raises(CheckpointError, match="does not match"):
+        Checkpointer(config).load(model=torch.nn.Sequential(torch.nn.Linear(4, 4)))
