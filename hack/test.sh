@@ -9,6 +9,6 @@ if [ -x hack/cluster-binaries.sh ]; then
   hack/cluster-binaries.sh          # Kubernetes control plane + helm, cached by version
 fi
 echo "ctj: ruff" >&2
-ruff check trainer_sidecar operator tests bench hack
+ruff check trainer_sidecar operator tests bench hack examples
 echo "ctj: pytest" >&2
 exec python -m pytest -ra "$@"

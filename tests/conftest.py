@@ -3,55 +3,26 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from trainer_sidecar.local_s3 import LocalS3, free_port, wait_for_port
+
+__all__ = ["ROOT", "free_port", "wait_for_port"]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for_port(port: int, proc: subprocess.Popen[bytes], deadline_s: float) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early with code {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on port {port} after {deadline_s}s")
 
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """A real S3 server (moto's server mode) on loopback, for the whole session."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    server = LocalS3.start()
     try:
-        wait_for_port(port, proc, 60)
-        yield f"http://127.0.0.1:{port}"
+        yield server.endpoint
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop()
 
 
 @pytest.fixture

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port, wait_for_port
+from tests.conftest import ROOT, free_port
 from tests.integration.ranks import run_ranks
 from trainer_sidecar import CheckpointConfig, Checkpointer, CheckpointError
+from trainer_sidecar.local_s3 import LocalS3
 
 pytestmark = pytest.mark.integration
 
@@ -41,18 +42,11 @@ def test_export_is_read_by_stock_dcp_bitwise(s3_uri: str, tmp_path: Path) -> Non
 @pytest.fixture
 def s3_with_auth() -> Iterator[str]:
     """A second S3 server that checks credentials (moto with IAM auth on)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="0"),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    server = LocalS3.start(extra_env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
     try:
-        wait_for_port(port, proc, 60)
-        yield f"http://127.0.0.1:{port}"
+        yield server.endpoint
     finally:
-        proc.kill()
-        proc.wait()
+        server.stop()
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess[str], *phrases: str) -> None:

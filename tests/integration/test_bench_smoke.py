@@ -1,0 +1,71 @@
+"""bench/bench_checkpoint.py --quick runs end to end and writes the documented JSON.
+
+Timing ratios are not asserted (they depend on the machine); the incremental
+save's uploaded fraction is deterministic, so it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+SAVE_PHASES = {"save_boto3", "save_ours_full", "save_ours_incremental"}
+LOAD_PHASES = {"load_ours_w1", "load_ours_w2", "load_ours_w3"}
+S3TC_PHASES = {"save_s3torchconnector"} | {
+    f"load_s3torchconnector_w{w}" for w in (1, 2, 3)
+}
+S3TC_RATIOS = {
+    "save_throughput_ratio_vs_s3torchconnector",
+    *(f"load_throughput_ratio_vs_s3torchconnector_2to{w}" for w in (1, 2, 3)),
+    *(f"load_bytes_fetched_ratio_vs_s3torchconnector_2to{w}" for w in (1, 2, 3)),
+}
+
+
+def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/bench_checkpoint.py", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ratio (ours / anchor)" in proc.stdout
+    report = json.loads(out.read_text())
+
+    assert {"command", "date", "config", "server", "machine", "phases", "ratios", "targets"} <= set(
+        report
+    )
+    assert {"nproc", "mem_gib", "torch"} <= set(report["machine"])
+    assert report["config"]["save_world_size"] == 2
+    assert report["config"]["load_world_sizes"] == [2, 1, 3]
+    phases = report["phases"]
+    assert SAVE_PHASES | LOAD_PHASES <= set(phases)
+    for name, phase in phases.items():
+        assert phase["seconds"] > 0 and phase["mb_per_s"] > 0, name
+    assert phases["save_ours_full"]["mode"] == "full"
+    assert phases["save_ours_incremental"]["mode"] == "incremental"
+
+    ratios = report["ratios"]
+    assert {"save_throughput_ratio_vs_boto3", "incremental_uploaded_fraction"} <= set(ratios)
+    assert report["config"]["changed_fraction"] == pytest.approx(0.10)
+    assert 0.09 <= ratios["incremental_uploaded_fraction"] <= 0.12
+    assert report["targets"]["incremental_uploaded_fraction"]["met"] is True
+
+    if report["skipped"] is None:  # s3torchconnector importable: its rows and ratios too
+        assert S3TC_PHASES <= set(phases)
+        assert S3TC_RATIOS <= set(ratios)
+    else:
+        assert "s3torchconnector" in report["skipped"]
+        assert not S3TC_PHASES & set(phases)
