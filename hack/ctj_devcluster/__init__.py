@@ -8,5 +8,4 @@ plus node agents that run pods' containers as local processes. See docs/dev-clus
 from .binaries import Binaries, BinariesMissing, find_binaries
 from .cluster import Cluster, ClusterConfig, NodeHandle
 
-__all__ = ["Binaries", "BinariesMissing", "Cluster", "ClusterConfig", "NodeHandle",
-           "find_binaries"]
+__all__ = ["Binaries", "BinariesMissing", "Cluster", "ClusterConfig", "NodeHandle", "find_binaries"]

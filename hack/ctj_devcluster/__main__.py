@@ -32,11 +32,12 @@ def _state(root: Path) -> dict | None:
 
 
 def _alive(pid: int) -> bool:
+    """Running, and not a zombie (a detached supervisor's parent may never reap it)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] not in "ZX"
+    except (FileNotFoundError, IndexError):
         return False
-    return True
 
 
 def _running(root: Path) -> dict | None:
@@ -46,8 +47,10 @@ def _running(root: Path) -> dict | None:
 
 def _print_ready(state: dict) -> None:
     kubectl_dir = os.path.dirname(state["kubectl"])
-    print(f"ctj dev cluster is up ({len(state['nodes'])} nodes: {', '.join(state['nodes'])}; "
-          f"started in {state['started_in_seconds']}s)")
+    print(
+        f"ctj dev cluster is up ({len(state['nodes'])} nodes: {', '.join(state['nodes'])}; "
+        f"started in {state['started_in_seconds']}s)"
+    )
     print(f"export KUBECONFIG={state['kubeconfig']}")
     print(f"export PATH={kubectl_dir}:{os.path.dirname(state['helm'])}:$PATH")
 
@@ -58,9 +61,14 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     gpus = {args.gpu_resource: str(args.gpus)} if args.gpus else {}
-    cluster = Cluster(ClusterConfig(root=root, nodes=args.nodes,
-                                    node_extended_resources=gpus,
-                                    node_monitor_grace_period=args.node_grace))
+    cluster = Cluster(
+        ClusterConfig(
+            root=root,
+            nodes=args.nodes,
+            node_extended_resources=gpus,
+            node_monitor_grace_period=args.node_grace,
+        )
+    )
     try:
         cluster.start()
         (root / "ready").touch()
@@ -86,13 +94,27 @@ def up(args: argparse.Namespace) -> int:
     root.mkdir(parents=True)
     if args.foreground:
         return serve(args)
-    argv = [sys.executable, "-m", "ctj_devcluster", "up", "--foreground",
-            f"--dir={root}", f"--nodes={args.nodes}", f"--gpus={args.gpus}",
-            f"--gpu-resource={args.gpu_resource}", f"--node-grace={args.node_grace}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "ctj_devcluster",
+        "up",
+        "--foreground",
+        f"--dir={root}",
+        f"--nodes={args.nodes}",
+        f"--gpus={args.gpus}",
+        f"--gpu-resource={args.gpu_resource}",
+        f"--node-grace={args.node_grace}",
+    ]
     log = root / "devcluster.log"
     with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     print(f"starting the ctj dev cluster in {root} (log: {log}) ...", file=sys.stderr)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -130,25 +152,38 @@ def status(args: argparse.Namespace) -> int:
         print("ctj dev cluster is not running")
         return 3
     _print_ready(state)
-    subprocess.run([state["kubectl"], "--kubeconfig", state["kubeconfig"], "get", "nodes"],
-                   check=False)
+    subprocess.run(
+        [state["kubectl"], "--kubeconfig", state["kubeconfig"], "get", "nodes"], check=False
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ctj_devcluster", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m ctj_devcluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("command", choices=["up", "down", "status"])
-    parser.add_argument("--dir", type=Path, default=Path(
-        os.environ.get("CTJ_DEVCLUSTER_DIR", "/tmp/ctj-devcluster")))
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(os.environ.get("CTJ_DEVCLUSTER_DIR", "/tmp/ctj-devcluster")),
+    )
     parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--gpus", type=int, default=0,
-                        help="extended resource count per node standing in for GPUs")
+    parser.add_argument(
+        "--gpus", type=int, default=0, help="extended resource count per node standing in for GPUs"
+    )
     parser.add_argument("--gpu-resource", default="nvidia.com/gpu")
-    parser.add_argument("--node-grace", type=float, default=10.0,
-                        help="seconds without heartbeats before a node is NotReady")
-    parser.add_argument("--foreground", action="store_true",
-                        help="up: run in this terminal until Ctrl-C")
+    parser.add_argument(
+        "--node-grace",
+        type=float,
+        default=10.0,
+        help="seconds without heartbeats before a node is NotReady",
+    )
+    parser.add_argument(
+        "--foreground", action="store_true", help="up: run in this terminal until Ctrl-C"
+    )
     args = parser.parse_args(argv)
     try:
         return {"up": up, "down": down, "status": status}[args.command](args)

@@ -39,8 +39,14 @@ class Binaries:
             )
 
     def all(self) -> tuple[Path, ...]:
-        return (self.etcd, self.kube_apiserver, self.kube_controller_manager,
-                self.kube_scheduler, self.kubectl, self.helm)
+        return (
+            self.etcd,
+            self.kube_apiserver,
+            self.kube_controller_manager,
+            self.kube_scheduler,
+            self.kubectl,
+            self.helm,
+        )
 
 
 def _dirs_from_build_script() -> dict[str, str]:

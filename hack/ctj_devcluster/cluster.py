@@ -16,13 +16,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .binaries import HACK_DIR, Binaries, find_binaries
 from .controlplane import ControlPlane, ControlPlaneConfig
 from .kubeconfig import write_kubeconfig
-from .node_agent import NodeAgentConfig
 from .processes import ManagedProcess, wait_until
+
+if TYPE_CHECKING:
+    from .node_agent import NodeAgentConfig
 
 DNS_USER = "ctj:dns"
 
@@ -56,11 +58,14 @@ class Cluster:
         self.config = config
         self.binaries = binaries or find_binaries()
         self.control_plane = ControlPlane(
-            ControlPlaneConfig(root=config.root,
-                               node_monitor_grace_period=config.node_monitor_grace_period,
-                               node_monitor_period=config.node_monitor_period,
-                               start_timeout=config.start_timeout),
-            self.binaries)
+            ControlPlaneConfig(
+                root=config.root,
+                node_monitor_grace_period=config.node_monitor_grace_period,
+                node_monitor_period=config.node_monitor_period,
+                start_timeout=config.start_timeout,
+            ),
+            self.binaries,
+        )
         self.nodes: dict[str, NodeHandle] = {}
         self.dns: ManagedProcess | None = None
         self._next_index = 1
@@ -79,31 +84,47 @@ class Cluster:
         """os.environ plus KUBECONFIG and PATH with kubectl and helm first."""
         path = f"{self.binaries.kubectl.parent}:{self.binaries.helm.parent}:{os.environ['PATH']}"
         helm_home = self.config.root / "helm"
-        return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PATH": path,
-                "HELM_CACHE_HOME": str(helm_home / "cache"),
-                "HELM_CONFIG_HOME": str(helm_home / "config"),
-                "HELM_DATA_HOME": str(helm_home / "data")}
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": path,
+            "HELM_CACHE_HOME": str(helm_home / "cache"),
+            "HELM_CONFIG_HOME": str(helm_home / "config"),
+            "HELM_DATA_HOME": str(helm_home / "data"),
+        }
 
     def api_client(self) -> Any:
         from kubernetes import config as kconfig
 
         return kconfig.new_client_from_config(config_file=str(self.kubeconfig))
 
-    def kubectl(self, *args: str, check: bool = True, timeout: float = 60,
-                input: str | None = None) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, check: bool = True, timeout: float = 60, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return self._run(self.binaries.kubectl, args, check, timeout, input)
 
-    def helm(self, *args: str, check: bool = True,
-             timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def helm(
+        self, *args: str, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
         return self._run(self.binaries.helm, args, check, timeout, None)
 
-    def _run(self, binary: Path, args: Sequence[str], check: bool, timeout: float,
-             input: str | None) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([str(binary), *args], env=self.env(), capture_output=True,
-                              text=True, timeout=timeout, input=input, check=False)
+    def _run(
+        self, binary: Path, args: Sequence[str], check: bool, timeout: float, input: str | None
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(binary), *args],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            input=input,
+            check=False,
+        )
         if check and proc.returncode != 0:
-            raise RuntimeError(f"{binary.name} {' '.join(args)} failed ({proc.returncode}):\n"
-                               f"{proc.stdout}{proc.stderr}")
+            raise RuntimeError(
+                f"{binary.name} {' '.join(args)} failed ({proc.returncode}):\n"
+                f"{proc.stdout}{proc.stderr}"
+            )
         return proc
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -128,58 +149,96 @@ class Cluster:
         from kubernetes import client
 
         rbac = client.RbacAuthorizationV1Api(self.api_client())
-        rbac.create_cluster_role({
-            "metadata": {"name": DNS_USER},
-            "rules": [{"apiGroups": [""], "resources": ["pods", "services"],
-                       "verbs": ["list", "watch"]}]})
-        rbac.create_cluster_role_binding({
-            "metadata": {"name": DNS_USER},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                        "name": DNS_USER},
-            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
-                          "name": DNS_USER}]})
+        rbac.create_cluster_role(
+            {
+                "metadata": {"name": DNS_USER},
+                "rules": [
+                    {
+                        "apiGroups": [""],
+                        "resources": ["pods", "services"],
+                        "verbs": ["list", "watch"],
+                    }
+                ],
+            }
+        )
+        rbac.create_cluster_role_binding(
+            {
+                "metadata": {"name": DNS_USER},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": DNS_USER,
+                },
+                "subjects": [
+                    {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": DNS_USER}
+                ],
+            }
+        )
         ca = self.control_plane.ca
         assert ca is not None
         cert = ca.issue("dns", common_name=DNS_USER, client=True)
-        kubeconfig = write_kubeconfig(self.config.root / "dns.kubeconfig",
-                                      server=self.control_plane.server, ca_cert=ca.pair.cert,
-                                      client=cert, user="dns")
+        kubeconfig = write_kubeconfig(
+            self.config.root / "dns.kubeconfig",
+            server=self.control_plane.server,
+            ca_cert=ca.pair.cert,
+            client=cert,
+            user="dns",
+        )
         self.dns = ManagedProcess(
-            name="dns", log_path=self.control_plane.logs / "dns.log", env=self._python_env(),
-            argv=[sys.executable, "-m", "ctj_devcluster.dns", f"--kubeconfig={kubeconfig}",
-                  f"--dns-dir={self.dns_dir}"]).start()
+            name="dns",
+            log_path=self.control_plane.logs / "dns.log",
+            env=self._python_env(),
+            argv=[
+                sys.executable,
+                "-m",
+                "ctj_devcluster.dns",
+                f"--kubeconfig={kubeconfig}",
+                f"--dns-dir={self.dns_dir}",
+            ],
+        ).start()
 
     def _python_env(self) -> dict[str, str]:
-        pythonpath = os.pathsep.join(p for p in (str(HACK_DIR), os.environ.get("PYTHONPATH"))
-                                     if p)
+        pythonpath = os.pathsep.join(p for p in (str(HACK_DIR), os.environ.get("PYTHONPATH")) if p)
         return {**os.environ, "PYTHONPATH": pythonpath}
 
-    def add_node(self, name: str | None = None, *, wait: bool = True,
-                 **overrides: Any) -> NodeHandle:
+    def add_node(
+        self, name: str | None = None, *, wait: bool = True, **overrides: Any
+    ) -> NodeHandle:
         """Starts a node agent (name defaults to node-<n>); waits until it is Ready."""
+        from .node_agent import NodeAgentConfig  # not at import: `-m node_agent` warns
+
         index = self._next_index
         self._next_index += 1
         name = name or f"node-{index}"
         cp = self.control_plane
         host, port = cp.server.removeprefix("https://").rsplit(":", 1)
         settings: dict[str, Any] = {
-            "cpu": self.config.node_cpu, "memory": self.config.node_memory,
+            "cpu": self.config.node_cpu,
+            "memory": self.config.node_memory,
             "extended_resources": dict(self.config.node_extended_resources),
             **overrides,
         }
         node_config = NodeAgentConfig(
-            name=name, index=index, kubeconfig=cp.node_kubeconfig(name),
-            root=self.config.root / "nodes" / name, dns_dir=self.dns_dir,
-            api_host=host, api_port=int(port),
-            kubelet_version=_kube_version(self.binaries), **settings)
+            name=name,
+            index=index,
+            kubeconfig=cp.node_kubeconfig(name),
+            root=self.config.root / "nodes" / name,
+            dns_dir=self.dns_dir,
+            api_host=host,
+            api_port=int(port),
+            kubelet_version=_kube_version(self.binaries),
+            **settings,
+        )
         node_config.root.mkdir(parents=True, exist_ok=True)
         self.dns_dir.mkdir(parents=True, exist_ok=True)
         config_path = node_config.root / "agent.json"
         config_path.write_text(node_config.to_json())
         proc = ManagedProcess(
-            name=f"node-agent {name}", log_path=node_config.root / "agent.log",
+            name=f"node-agent {name}",
+            log_path=node_config.root / "agent.log",
             env=self._python_env(),
-            argv=[sys.executable, "-m", "ctj_devcluster.node_agent", str(config_path)]).start()
+            argv=[sys.executable, "-m", "ctj_devcluster.node_agent", str(config_path)],
+        ).start()
         handle = self.nodes[name] = NodeHandle(name, node_config, proc)
         if wait:
             self.wait_node_ready(name)
@@ -195,11 +254,16 @@ class Cluster:
         def ready() -> bool:
             proc.check_alive()
             node = core.read_node(name)
-            return any(c.type == "Ready" and c.status == "True"
-                       for c in node.status.conditions or [])
+            return any(
+                c.type == "Ready" and c.status == "True" for c in node.status.conditions or []
+            )
 
-        wait_until(ready, timeout=timeout or self.config.start_timeout,
-                   what=f"node {name} Ready", on_timeout=proc.log_tail)
+        wait_until(
+            ready,
+            timeout=timeout or self.config.start_timeout,
+            what=f"node {name} Ready",
+            on_timeout=proc.log_tail,
+        )
 
     def container_log(self, namespace: str, pod: str, container: str) -> str:
         """What a container wrote (stdout and stderr, every run): ``kubectl logs`` needs a
@@ -221,8 +285,11 @@ class Cluster:
         from kubernetes import client
 
         core = client.CoreV1Api(self.api_client())
-        wait_until(lambda: core.read_namespaced_service_account("default", "default"),
-                   timeout=self.config.start_timeout, what="the default service account")
+        wait_until(
+            lambda: core.read_namespaced_service_account("default", "default"),
+            timeout=self.config.start_timeout,
+            what="the default service account",
+        )
 
     def stop(self) -> None:
         for handle in reversed(list(self.nodes.values())):
@@ -236,11 +303,17 @@ class Cluster:
         pids.update({h.process.name: h.process.pid for h in self.nodes.values()})
         if self.dns is not None:
             pids["dns"] = self.dns.pid
-        state = {"kubeconfig": str(self.kubeconfig), "server": self.control_plane.server,
-                 "pids": pids,
-                 "root": str(self.config.root), "pid": os.getpid(),
-                 "nodes": sorted(self.nodes), "started_in_seconds": round(self.started_in, 2),
-                 "kubectl": str(self.binaries.kubectl), "helm": str(self.binaries.helm)}
+        state = {
+            "kubeconfig": str(self.kubeconfig),
+            "server": self.control_plane.server,
+            "pids": pids,
+            "root": str(self.config.root),
+            "pid": os.getpid(),
+            "nodes": sorted(self.nodes),
+            "started_in_seconds": round(self.started_in, 2),
+            "kubectl": str(self.binaries.kubectl),
+            "helm": str(self.binaries.helm),
+        }
         (self.config.root / "state.json").write_text(json.dumps(state, indent=2) + "\n")
 
 

@@ -92,90 +92,134 @@ class ControlPlane:
         service_ip = _first_service_ip(self.config.service_cluster_ip_range)
 
         etcd_client, etcd_peer = free_port(), free_port()
-        etcd_server = ca.issue("etcd-server", common_name="etcd", server=True, client=True,
-                               dns_names=("localhost",), ips=loopback)
-        etcd_client_cert = ca.issue("apiserver-etcd-client", common_name="kube-apiserver",
-                                    client=True)
+        etcd_server = ca.issue(
+            "etcd-server",
+            common_name="etcd",
+            server=True,
+            client=True,
+            dns_names=("localhost",),
+            ips=loopback,
+        )
+        etcd_client_cert = ca.issue(
+            "apiserver-etcd-client", common_name="kube-apiserver", client=True
+        )
         etcd_url = f"https://127.0.0.1:{etcd_client}"
-        self._spawn("etcd", [
-            str(self.binaries.etcd),
-            "--name=default", f"--data-dir={root / 'etcd'}",
-            f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
-            f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
-            f"--initial-cluster=default=http://127.0.0.1:{etcd_peer}",
-            f"--cert-file={etcd_server.cert}", f"--key-file={etcd_server.key}",
-            f"--trusted-ca-file={ca.pair.cert}", "--client-cert-auth",
-            "--unsafe-no-fsync",  # test data: speed over durability, as envtest does
-            "--log-level=warn",
-        ])
+        self._spawn(
+            "etcd",
+            [
+                str(self.binaries.etcd),
+                "--name=default",
+                f"--data-dir={root / 'etcd'}",
+                f"--listen-client-urls={etcd_url}",
+                f"--advertise-client-urls={etcd_url}",
+                f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-cluster=default=http://127.0.0.1:{etcd_peer}",
+                f"--cert-file={etcd_server.cert}",
+                f"--key-file={etcd_server.key}",
+                f"--trusted-ca-file={ca.pair.cert}",
+                "--client-cert-auth",
+                "--unsafe-no-fsync",  # test data: speed over durability, as envtest does
+                "--log-level=warn",
+            ],
+        )
 
         port = free_port()
         self.server = f"https://127.0.0.1:{port}"
         serving = ca.issue(
-            "apiserver", common_name="kube-apiserver", server=True,
-            dns_names=("localhost", "kubernetes", "kubernetes.default",
-                       "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"),
+            "apiserver",
+            common_name="kube-apiserver",
+            server=True,
+            dns_names=(
+                "localhost",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            ),
             ips=("127.0.0.1", service_ip),
         )
-        self.admin_cert = ca.issue("admin", common_name="ctj-admin", orgs=("system:masters",),
-                                   client=True)
+        self.admin_cert = ca.issue(
+            "admin", common_name="ctj-admin", orgs=("system:masters",), client=True
+        )
         self.admin_kubeconfig = write_kubeconfig(
-            root / "admin.kubeconfig", server=self.server, ca_cert=ca.pair.cert,
-            client=self.admin_cert, user="admin")
-        apiserver = self._spawn("kube-apiserver", [
-            str(self.binaries.kube_apiserver),
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
-            f"--secure-port={port}",
-            f"--tls-cert-file={serving.cert}", f"--tls-private-key-file={serving.key}",
-            f"--client-ca-file={ca.pair.cert}",
-            f"--etcd-servers={etcd_url}", f"--etcd-cafile={ca.pair.cert}",
-            f"--etcd-certfile={etcd_client_cert.cert}", f"--etcd-keyfile={etcd_client_cert.key}",
-            f"--service-cluster-ip-range={self.config.service_cluster_ip_range}",
-            f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
-            f"--service-account-key-file={sa.cert}",
-            f"--service-account-signing-key-file={sa.key}",
-            "--authorization-mode=Node,RBAC",
-            "--enable-admission-plugins=NodeRestriction",
-            "--allow-privileged=true",
-            "--profiling=false",
-            *self.config.extra_apiserver_args,
-        ])
+            root / "admin.kubeconfig",
+            server=self.server,
+            ca_cert=ca.pair.cert,
+            client=self.admin_cert,
+            user="admin",
+        )
+        apiserver = self._spawn(
+            "kube-apiserver",
+            [
+                str(self.binaries.kube_apiserver),
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={port}",
+                f"--tls-cert-file={serving.cert}",
+                f"--tls-private-key-file={serving.key}",
+                f"--client-ca-file={ca.pair.cert}",
+                f"--etcd-servers={etcd_url}",
+                f"--etcd-cafile={ca.pair.cert}",
+                f"--etcd-certfile={etcd_client_cert.cert}",
+                f"--etcd-keyfile={etcd_client_cert.key}",
+                f"--service-cluster-ip-range={self.config.service_cluster_ip_range}",
+                f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+                f"--service-account-key-file={sa.cert}",
+                f"--service-account-signing-key-file={sa.key}",
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
+                "--allow-privileged=true",
+                "--profiling=false",
+                *self.config.extra_apiserver_args,
+            ],
+        )
         ctx = ssl.create_default_context(cafile=str(ca.pair.cert))
         ctx.load_cert_chain(str(self.admin_cert.cert), str(self.admin_cert.key))
         self._wait_healthy(apiserver, f"{self.server}/readyz", ctx)
 
         kcm_port = free_port()
-        kcm_cert = ca.issue("kube-controller-manager", client=True,
-                            common_name="system:kube-controller-manager")
-        kcm = self._spawn("kube-controller-manager", [
-            str(self.binaries.kube_controller_manager),
-            f"--kubeconfig={self._component_kubeconfig('kube-controller-manager', kcm_cert)}",
-            "--bind-address=127.0.0.1", f"--secure-port={kcm_port}",
-            f"--cert-dir={root / 'kube-controller-manager'}",
-            "--leader-elect=false",
-            "--controllers=*",
-            "--use-service-account-credentials=true",
-            f"--service-account-private-key-file={sa.key}",
-            f"--root-ca-file={ca.pair.cert}",
-            f"--cluster-signing-cert-file={ca.pair.cert}",
-            f"--cluster-signing-key-file={ca.pair.key}",
-            f"--service-cluster-ip-range={self.config.service_cluster_ip_range}",
-            f"--node-monitor-period={_duration(self.config.node_monitor_period)}",
-            f"--node-monitor-grace-period={_duration(self.config.node_monitor_grace_period)}",
-            "--kube-api-qps=100", "--kube-api-burst=200",
-            *self.config.extra_controller_manager_args,
-        ])
+        kcm_cert = ca.issue(
+            "kube-controller-manager", client=True, common_name="system:kube-controller-manager"
+        )
+        kcm = self._spawn(
+            "kube-controller-manager",
+            [
+                str(self.binaries.kube_controller_manager),
+                f"--kubeconfig={self._component_kubeconfig('kube-controller-manager', kcm_cert)}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={kcm_port}",
+                f"--cert-dir={root / 'kube-controller-manager'}",
+                "--leader-elect=false",
+                "--controllers=*",
+                "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={sa.key}",
+                f"--root-ca-file={ca.pair.cert}",
+                f"--cluster-signing-cert-file={ca.pair.cert}",
+                f"--cluster-signing-key-file={ca.pair.key}",
+                f"--service-cluster-ip-range={self.config.service_cluster_ip_range}",
+                f"--node-monitor-period={_duration(self.config.node_monitor_period)}",
+                f"--node-monitor-grace-period={_duration(self.config.node_monitor_grace_period)}",
+                "--kube-api-qps=100",
+                "--kube-api-burst=200",
+                *self.config.extra_controller_manager_args,
+            ],
+        )
         scheduler_port = free_port()
-        scheduler_cert = ca.issue("kube-scheduler", client=True,
-                                  common_name="system:kube-scheduler")
-        scheduler = self._spawn("kube-scheduler", [
-            str(self.binaries.kube_scheduler),
-            f"--kubeconfig={self._component_kubeconfig('kube-scheduler', scheduler_cert)}",
-            "--bind-address=127.0.0.1", f"--secure-port={scheduler_port}",
-            f"--cert-dir={root / 'kube-scheduler'}",
-            "--leader-elect=false",
-        ])
+        scheduler_cert = ca.issue(
+            "kube-scheduler", client=True, common_name="system:kube-scheduler"
+        )
+        scheduler = self._spawn(
+            "kube-scheduler",
+            [
+                str(self.binaries.kube_scheduler),
+                f"--kubeconfig={self._component_kubeconfig('kube-scheduler', scheduler_cert)}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={scheduler_port}",
+                f"--cert-dir={root / 'kube-scheduler'}",
+                "--leader-elect=false",
+            ],
+        )
         insecure = ssl.create_default_context()
         insecure.check_hostname = False
         insecure.verify_mode = ssl.CERT_NONE
@@ -184,18 +228,31 @@ class ControlPlane:
 
     def _component_kubeconfig(self, name: str, cert: CertPair) -> Path:
         assert self.ca is not None
-        return write_kubeconfig(self.config.root / f"{name}.kubeconfig", server=self.server,
-                                ca_cert=self.ca.pair.cert, client=cert, user=name)
+        return write_kubeconfig(
+            self.config.root / f"{name}.kubeconfig",
+            server=self.server,
+            ca_cert=self.ca.pair.cert,
+            client=cert,
+            user=name,
+        )
 
     def node_kubeconfig(self, node_name: str) -> Path:
         """A kubeconfig with the node's own identity (system:node:<name> in system:nodes),
         so the Node authorizer and NodeRestriction limit the agent as they limit a kubelet."""
         assert self.ca is not None
-        cert = self.ca.issue(f"node-{node_name}", client=True,
-                             common_name=f"system:node:{node_name}", orgs=("system:nodes",))
-        return write_kubeconfig(self.config.root / "nodes" / node_name / "kubeconfig",
-                                server=self.server, ca_cert=self.ca.pair.cert, client=cert,
-                                user=f"node-{node_name}")
+        cert = self.ca.issue(
+            f"node-{node_name}",
+            client=True,
+            common_name=f"system:node:{node_name}",
+            orgs=("system:nodes",),
+        )
+        return write_kubeconfig(
+            self.config.root / "nodes" / node_name / "kubeconfig",
+            server=self.server,
+            ca_cert=self.ca.pair.cert,
+            client=cert,
+            user=f"node-{node_name}",
+        )
 
     def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
         proc = ManagedProcess(name=name, argv=argv, log_path=self.logs / f"{name}.log").start()
@@ -211,8 +268,13 @@ class ControlPlane:
             except OSError:
                 return False
 
-        wait_until(healthy, timeout=self.config.start_timeout, what=f"{proc.name} at {url}",
-                   interval=0.1, on_timeout=proc.log_tail)
+        wait_until(
+            healthy,
+            timeout=self.config.start_timeout,
+            what=f"{proc.name} at {url}",
+            interval=0.1,
+            on_timeout=proc.log_tail,
+        )
 
     def check_alive(self) -> None:
         for proc in self.processes:
@@ -225,8 +287,11 @@ class ControlPlane:
         self.processes.clear()
 
     def describe(self) -> dict[str, object]:
-        return {"server": self.server, "kubeconfig": str(self.admin_kubeconfig),
-                "pids": {p.name: p.pid for p in self.processes}}
+        return {
+            "server": self.server,
+            "kubeconfig": str(self.admin_kubeconfig),
+            "pids": {p.name: p.pid for p in self.processes},
+        }
 
     def __repr__(self) -> str:
         return f"ControlPlane({json.dumps(self.describe())})"

@@ -35,8 +35,11 @@ def _selects(service: Obj, pod: Obj) -> bool:
 
 def _published(pod: Obj) -> bool:
     status = pod.get("status") or {}
-    return bool(status.get("podIP")) and status.get("phase") in ("Pending", "Running") and \
-        not pod["metadata"].get("deletionTimestamp")
+    return (
+        bool(status.get("podIP"))
+        and status.get("phase") in ("Pending", "Running")
+        and not pod["metadata"].get("deletionTimestamp")
+    )
 
 
 def hosts_entries(pods: Iterable[Obj], services: Iterable[Obj]) -> dict[str, list[str]]:
@@ -107,8 +110,9 @@ class DnsPublisher:
         self._known: set[str] = set()
         on_event = lambda _kind, _obj: self._changed.set()  # noqa: E731
         self.pods = Informer(api, core.list_pod_for_all_namespaces, on_event, name="dns-pods")
-        self.services = Informer(api, core.list_service_for_all_namespaces, on_event,
-                                 name="dns-services")
+        self.services = Informer(
+            api, core.list_service_for_all_namespaces, on_event, name="dns-services"
+        )
 
     def run_forever(self) -> None:
         self.pods.start()
@@ -121,8 +125,7 @@ class DnsPublisher:
             self.publish()
 
     def publish(self) -> None:
-        entries = hosts_entries(list(self.pods.store.values()),
-                                list(self.services.store.values()))
+        entries = hosts_entries(list(self.pods.store.values()), list(self.services.store.values()))
         namespaces = {p["metadata"]["namespace"] for p in list(self.pods.store.values())}
         for ns in namespaces | set(entries) | self._known:
             if write_in_place(hosts_path(self.dns_dir, ns), render(entries.get(ns, []))):

@@ -82,9 +82,12 @@ class Informer:
                     resource_version = self._relist()
                 self._watch = watch.Watch()
                 for event in self._watch.stream(
-                    self._list_fn, resource_version=resource_version,
-                    timeout_seconds=self._watch_timeout, allow_watch_bookmarks=True,
-                    _request_timeout=self._watch_timeout + 10, **self._kwargs,
+                    self._list_fn,
+                    resource_version=resource_version,
+                    timeout_seconds=self._watch_timeout,
+                    allow_watch_bookmarks=True,
+                    _request_timeout=self._watch_timeout + 10,
+                    **self._kwargs,
                 ):
                     kind, raw = event["type"], event["raw_object"]
                     if kind == "ERROR":

@@ -15,24 +15,36 @@ from .certs import CertPair
 
 
 def write_kubeconfig(
-    path: Path, *, server: str, ca_cert: Path, client: CertPair, user: str,
-    cluster_name: str = "ctj-dev", namespace: str = "default",
+    path: Path,
+    *,
+    server: str,
+    ca_cert: Path,
+    client: CertPair,
+    user: str,
+    cluster_name: str = "ctj-dev",
+    namespace: str = "default",
 ) -> Path:
     """Writes a one-context kubeconfig for ``user`` (a label; the identity is the cert)."""
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [
-            {"name": cluster_name,
-             "cluster": {"server": server, "certificate-authority": str(ca_cert)}}
+            {
+                "name": cluster_name,
+                "cluster": {"server": server, "certificate-authority": str(ca_cert)},
+            }
         ],
         "users": [
-            {"name": user,
-             "user": {"client-certificate": str(client.cert), "client-key": str(client.key)}}
+            {
+                "name": user,
+                "user": {"client-certificate": str(client.cert), "client-key": str(client.key)},
+            }
         ],
         "contexts": [
-            {"name": f"{user}@{cluster_name}",
-             "context": {"cluster": cluster_name, "user": user, "namespace": namespace}}
+            {
+                "name": f"{user}@{cluster_name}",
+                "context": {"cluster": cluster_name, "user": user, "namespace": namespace},
+            }
         ],
         "current-context": f"{user}@{cluster_name}",
         "preferences": {},

@@ -72,13 +72,18 @@ class NodeAgentConfig:
 
     def __post_init__(self) -> None:
         self.kubeconfig, self.root, self.dns_dir = (
-            Path(self.kubeconfig), Path(self.root), Path(self.dns_dir))
+            Path(self.kubeconfig),
+            Path(self.root),
+            Path(self.dns_dir),
+        )
         if not 1 <= self.index <= 250:
             raise ValueError(f"node index {self.index} not in 1..250")
         if not self.name or self.name != self.name.lower():
             raise ValueError(f"node name {self.name!r} must be a lowercase DNS label")
-        if self.lease_renew_interval <= 0 or self.lease_renew_interval * 2 > \
-                self.lease_duration_seconds:
+        if (
+            self.lease_renew_interval <= 0
+            or self.lease_renew_interval * 2 > self.lease_duration_seconds
+        ):
             raise ValueError("lease_renew_interval must be positive and under half the lease")
 
     def to_json(self) -> str:
@@ -105,17 +110,28 @@ class NodeAgent:
         self._free_ips = [f"127.10.{config_.index}.{n}" for n in range(254, 1, -1)]
         self._stopping = threading.Event()
         self.node_uid = ""
-        capacity = {"cpu": config_.cpu, "memory": config_.memory,
-                    "pods": str(config_.max_pods), **config_.extended_resources}
+        capacity = {
+            "cpu": config_.cpu,
+            "memory": config_.memory,
+            "pods": str(config_.max_pods),
+            **config_.extended_resources,
+        }
         self.allocatable = dict(capacity)
         self.capacity = capacity
 
     # --- node registration, heartbeats -------------------------------------------------
     def register(self) -> None:
-        labels = {"kubernetes.io/hostname": self.config.name, "kubernetes.io/os": "linux",
-                  "kubernetes.io/arch": "amd64", **self.config.labels}
-        body = {"apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": self.config.name, "labels": labels}}
+        labels = {
+            "kubernetes.io/hostname": self.config.name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+            **self.config.labels,
+        }
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": self.config.name, "labels": labels},
+        }
         try:
             node = self.core.create_node(body)
         except ApiException as exc:
@@ -129,28 +145,49 @@ class NodeAgent:
     def post_status(self) -> None:
         t = now_rfc3339()
         conditions = [
-            {"type": kind, "status": "False", "reason": f"KubeletHas{reason}",
-             "lastHeartbeatTime": t, "lastTransitionTime": t}
-            for kind, reason in (("MemoryPressure", "SufficientMemory"),
-                                 ("DiskPressure", "NoDiskPressure"),
-                                 ("PIDPressure", "SufficientPID"))
+            {
+                "type": kind,
+                "status": "False",
+                "reason": f"KubeletHas{reason}",
+                "lastHeartbeatTime": t,
+                "lastTransitionTime": t,
+            }
+            for kind, reason in (
+                ("MemoryPressure", "SufficientMemory"),
+                ("DiskPressure", "NoDiskPressure"),
+                ("PIDPressure", "SufficientPID"),
+            )
         ]
-        conditions.append({"type": "Ready", "status": "True", "reason": "KubeletReady",
-                           "message": "ctj node agent is posting ready status",
-                           "lastHeartbeatTime": t, "lastTransitionTime": t})
+        conditions.append(
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "KubeletReady",
+                "message": "ctj node agent is posting ready status",
+                "lastHeartbeatTime": t,
+                "lastTransitionTime": t,
+            }
+        )
         status = {
-            "capacity": self.capacity, "allocatable": self.allocatable,
+            "capacity": self.capacity,
+            "allocatable": self.allocatable,
             "conditions": conditions,
-            "addresses": [{"type": "InternalIP", "address": self.node_ip},
-                          {"type": "Hostname", "address": self.config.name}],
+            "addresses": [
+                {"type": "InternalIP", "address": self.node_ip},
+                {"type": "Hostname", "address": self.config.name},
+            ],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
             "nodeInfo": {
                 "machineID": uuid.uuid5(uuid.NAMESPACE_DNS, self.config.name).hex,
                 "systemUUID": str(uuid.uuid5(uuid.NAMESPACE_DNS, self.config.name)),
-                "bootID": str(uuid.uuid4()), "kernelVersion": platform.release(),
-                "osImage": "ctj devcluster node", "operatingSystem": "linux",
-                "architecture": "amd64", "containerRuntimeVersion": "ctj-process://0.1",
-                "kubeletVersion": self.config.kubelet_version, "kubeProxyVersion": "",
+                "bootID": str(uuid.uuid4()),
+                "kernelVersion": platform.release(),
+                "osImage": "ctj devcluster node",
+                "operatingSystem": "linux",
+                "architecture": "amd64",
+                "containerRuntimeVersion": "ctj-process://0.1",
+                "kubeletVersion": self.config.kubelet_version,
+                "kubeProxyVersion": "",
             },
         }
         self.core.patch_node_status(self.config.name, {"status": status})
@@ -159,18 +196,28 @@ class NodeAgent:
         name = self.config.name
         try:
             self.coordination.patch_namespaced_lease(
-                name, LEASE_NAMESPACE, {"spec": {"renewTime": _micro_now(),
-                                                 "holderIdentity": name}})
+                name, LEASE_NAMESPACE, {"spec": {"renewTime": _micro_now(), "holderIdentity": name}}
+            )
         except ApiException as exc:
             if exc.status != 404:
                 raise
-            self.coordination.create_namespaced_lease(LEASE_NAMESPACE, {
-                "metadata": {"name": name, "namespace": LEASE_NAMESPACE, "ownerReferences": [
-                    {"apiVersion": "v1", "kind": "Node", "name": name, "uid": self.node_uid}]},
-                "spec": {"holderIdentity": name,
-                         "leaseDurationSeconds": self.config.lease_duration_seconds,
-                         "renewTime": _micro_now()},
-            })
+            self.coordination.create_namespaced_lease(
+                LEASE_NAMESPACE,
+                {
+                    "metadata": {
+                        "name": name,
+                        "namespace": LEASE_NAMESPACE,
+                        "ownerReferences": [
+                            {"apiVersion": "v1", "kind": "Node", "name": name, "uid": self.node_uid}
+                        ],
+                    },
+                    "spec": {
+                        "holderIdentity": name,
+                        "leaseDurationSeconds": self.config.lease_duration_seconds,
+                        "renewTime": _micro_now(),
+                    },
+                },
+            )
 
     def heartbeat_forever(self) -> None:
         """Renews the lease and reposts status until stopped. Failures (node deleted, API
@@ -211,8 +258,7 @@ class NodeAgent:
             if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 return  # finished before this agent started: nothing to run
             if not self._free_ips:
-                log.error("pod %s/%s: no free pod IP on this node", meta["namespace"],
-                          meta["name"])
+                log.error("pod %s/%s: no free pod IP on this node", meta["namespace"], meta["name"])
                 return
             ip = (pod.get("status") or {}).get("podIP") or self._free_ips[-1]
             if ip in self._free_ips:
@@ -235,8 +281,11 @@ class NodeAgent:
         meta = pod["metadata"]
         try:
             self.core.delete_namespaced_pod(
-                meta["name"], meta["namespace"], grace_period_seconds=0,
-                body={"preconditions": {"uid": meta["uid"]}, "gracePeriodSeconds": 0})
+                meta["name"],
+                meta["namespace"],
+                grace_period_seconds=0,
+                body={"preconditions": {"uid": meta["uid"]}, "gracePeriodSeconds": 0},
+            )
         except ApiException as exc:
             if exc.status not in (404, 409):
                 log.warning("delete pod %s/%s: %s", meta["namespace"], meta["name"], exc.reason)
@@ -244,15 +293,28 @@ class NodeAgent:
     def patch_pod_status(self, pod: Obj, status: dict[str, Any]) -> bool:
         meta = pod["metadata"]
         try:
-            self.core.patch_namespaced_pod_status(
-                meta["name"], meta["namespace"],
-                {"metadata": {"uid": meta["uid"]}, "status": status},
-                _content_type="application/strategic-merge-patch+json")
+            # A strategic merge patch, as the kubelet sends: conditions merge by type and
+            # container statuses by name. (call_api: older clients cannot set the type.)
+            self.api.call_api(
+                "/api/v1/namespaces/{namespace}/pods/{name}/status",
+                "PATCH",
+                path_params={"namespace": meta["namespace"], "name": meta["name"]},
+                header_params={
+                    "Content-Type": "application/strategic-merge-patch+json",
+                    "Accept": "application/json",
+                },
+                body={"metadata": {"uid": meta["uid"]}, "status": status},
+                auth_settings=["BearerToken"],
+                response_type="object",
+                _return_http_data_only=True,
+                _preload_content=False,
+            )
             return True
         except ApiException as exc:
             if exc.status not in (404, 409):
-                log.warning("status of %s/%s: %s %s", meta["namespace"], meta["name"],
-                            exc.status, exc.body)
+                log.warning(
+                    "status of %s/%s: %s %s", meta["namespace"], meta["name"], exc.status, exc.body
+                )
             return False
 
     # --- what workers read through the node's credentials --------------------------------
@@ -272,7 +334,8 @@ class NodeAgent:
 
     def request_token(self, namespace: str, service_account: str, spec: Obj) -> str:
         result = self.core.create_namespaced_service_account_token(
-            service_account, namespace, {"spec": dict(spec)})
+            service_account, namespace, {"spec": dict(spec)}
+        )
         return str(result.status.token)
 
     def hosts_file(self, namespace: str) -> Path:
@@ -291,9 +354,12 @@ class NodeAgent:
         self.config.root.mkdir(parents=True, exist_ok=True)
         self.register()
         informer = Informer(
-            self.api, self.core.list_pod_for_all_namespaces, self.on_pod_event,
+            self.api,
+            self.core.list_pod_for_all_namespaces,
+            self.on_pod_event,
             name=f"pods-{self.config.name}",
-            field_selector=f"spec.nodeName={self.config.name}")
+            field_selector=f"spec.nodeName={self.config.name}",
+        )
         informer.start()
         log.info("node %s registered (%s); watching its pods", self.config.name, self.node_ip)
         self.heartbeat_forever()
@@ -317,8 +383,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1:
         sys.exit("usage: python -m ctj_devcluster.node_agent CONFIG.json")
     cfg = NodeAgentConfig.from_json(Path(args[0]).read_text())
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s {cfg.name} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {cfg.name} %(levelname)s %(message)s"
+    )
     agent = NodeAgent(cfg)
     signal.signal(signal.SIGTERM, agent.shutdown)
     agent.run()

@@ -47,12 +47,17 @@ def _bind(source: str, target: str, read_only: bool) -> None:
         os.makedirs(os.path.dirname(target) or "/", exist_ok=True)
         if not os.path.exists(target):
             open(target, "a").close()
-    _check(_libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None),
-           f"bind {source} on {target}")
+    _check(
+        _libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None),
+        f"bind {source} on {target}",
+    )
     if read_only:
-        _check(_libc.mount(None, target.encode(), None,
-                           MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC, None),
-               f"remount {target} read-only")
+        _check(
+            _libc.mount(
+                None, target.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC, None
+            ),
+            f"remount {target} read-only",
+        )
 
 
 def setup(spec: dict) -> None:
@@ -82,8 +87,11 @@ def main() -> None:
     try:
         os.execvpe(argv[0], argv, env)
     except FileNotFoundError:
-        print(f"ctj pod_exec: {argv[0]}: executable file not found in $PATH "
-              f"({env.get('PATH', '')})", file=sys.stderr, flush=True)
+        print(
+            f"ctj pod_exec: {argv[0]}: executable file not found in $PATH ({env.get('PATH', '')})",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(127)
     except OSError as exc:
         print(f"ctj pod_exec: exec {argv[0]}: {exc}", file=sys.stderr, flush=True)

@@ -73,13 +73,18 @@ class Container:
         elif self.terminated is not None:
             state["terminated"] = self.terminated
         else:
-            state["waiting"] = {"reason": self.waiting_reason,
-                                **({"message": self.waiting_message}
-                                   if self.waiting_message else {})}
+            state["waiting"] = {
+                "reason": self.waiting_reason,
+                **({"message": self.waiting_message} if self.waiting_message else {}),
+            }
         status: dict[str, Any] = {
-            "name": self.name, "image": self.spec.get("image") or "none",
-            "imageID": "", "ready": running, "started": running,
-            "restartCount": self.restart_count, "state": state,
+            "name": self.name,
+            "image": self.spec.get("image") or "none",
+            "imageID": "",
+            "ready": running,
+            "started": running,
+            "restartCount": self.restart_count,
+            "state": state,
             "lastState": {"terminated": self.last_terminated} if self.last_terminated else {},
         }
         if self.proc is not None:
@@ -164,9 +169,12 @@ class PodWorker:
     def _prepare(self) -> bool:
         try:
             self._volume_paths = volumes.materialize(
-                self.pod, self.dir, get_secret=self.agent.get_secret,
+                self.pod,
+                self.dir,
+                get_secret=self.agent.get_secret,
                 get_config_map=self.agent.get_config_map,
-                request_token=self.agent.request_token)
+                request_token=self.agent.request_token,
+            )
             self._prepared = True
         except Exception as exc:  # ConfigError or an API error: reported on the pod, retried
             log.warning("pod %s: cannot prepare volumes: %s", self.key, exc)
@@ -187,8 +195,10 @@ class PodWorker:
                 return
             elif not c.sidecar and not c.done:
                 return  # an init container is still running
-        if any(c.init and not c.sidecar and c.terminated and c.terminated["exitCode"] != 0
-               and c.done for c in self.init_containers):
+        if any(
+            c.init and not c.sidecar and c.terminated and c.terminated["exitCode"] != 0 and c.done
+            for c in self.init_containers
+        ):
             return  # init failed for good: the pod fails
         for c in self.containers:
             if c.proc is None and not c.done:
@@ -199,9 +209,13 @@ class PodWorker:
             return
         try:
             env = podspec.container_env(
-                self.pod, c.spec, base=self._base_env(), get_secret=self.agent.get_secret,
+                self.pod,
+                c.spec,
+                base=self._base_env(),
+                get_secret=self.agent.get_secret,
                 get_config_map=self.agent.get_config_map,
-                node_allocatable=self.agent.allocatable)
+                node_allocatable=self.agent.allocatable,
+            )
             argv = podspec.container_argv(c.spec, env)
             mounts = volumes.container_mounts(c.spec, self._volume_paths)
         except ConfigError as exc:
@@ -223,7 +237,9 @@ class PodWorker:
         with open(log_path, "ab") as out:
             c.proc = subprocess.Popen(
                 [sys.executable, "-S", str(POD_EXEC), str(spec_path)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
                 start_new_session=True,
             )
@@ -238,18 +254,27 @@ class PodWorker:
             return
         exit_code = code if code >= 0 else 128 - code  # killed by signal N: 128+N
         c.terminated = {
-            "exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
-            "startedAt": c.started_at, "finishedAt": now_rfc3339(),
+            "exitCode": exit_code,
+            "reason": "Completed" if exit_code == 0 else "Error",
+            "startedAt": c.started_at,
+            "finishedAt": now_rfc3339(),
             "containerID": f"ctj://{self.agent.config.name}/{c.proc.pid}",
         }
         log.info("pod %s: container %s exited %d", self.key, c.name, exit_code)
-        policy = "Always" if c.sidecar else (
-            "OnFailure" if c.init and self.restart_policy == "Always" else self.restart_policy)
+        policy = (
+            "Always"
+            if c.sidecar
+            else (
+                "OnFailure" if c.init and self.restart_policy == "Always" else self.restart_policy
+            )
+        )
         if self._stop.is_set() or not podspec.should_restart(policy, exit_code):
             c.done = True
             return
-        backoff = min(self.agent.config.restart_backoff * 2 ** c.restart_count,
-                      self.agent.config.max_restart_backoff)
+        backoff = min(
+            self.agent.config.restart_backoff * 2**c.restart_count,
+            self.agent.config.max_restart_backoff,
+        )
         c.next_start = time.monotonic() + backoff
         c.last_terminated, c.restart_count = c.terminated, c.restart_count + 1
         c.proc, c.terminated = None, None
@@ -272,16 +297,23 @@ class PodWorker:
         for c in self.init_containers:
             if not c.sidecar and c.done and c.terminated and c.terminated["exitCode"] != 0:
                 return "Failed"
-        if all(c.proc is None and c.terminated is None and c.restart_count == 0
-               for c in self.containers):
+        if all(
+            c.proc is None and c.terminated is None and c.restart_count == 0
+            for c in self.containers
+        ):
             return "Pending"
-        codes = {c.name: (c.terminated["exitCode"] if c.done and c.terminated else None)
-                 for c in self.containers}
+        codes = {
+            c.name: (c.terminated["exitCode"] if c.done and c.terminated else None)
+            for c in self.containers
+        }
         return podspec.pod_phase(self.restart_policy, codes)
 
     def _kill_all(self, grace: float) -> None:
-        running = [c for c in self.init_containers + self.containers
-                   if c.proc is not None and c.proc.poll() is None]
+        running = [
+            c
+            for c in self.init_containers + self.containers
+            if c.proc is not None and c.proc.poll() is None
+        ]
         for c in running:
             _signal_group(c.proc, signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -303,8 +335,11 @@ class PodWorker:
         previous = self._conditions.get(kind)
         if previous is None or previous[0] != ok:
             self._conditions[kind] = previous = (ok, now_rfc3339())
-        cond = {"type": kind, "status": "True" if ok else "False",
-                "lastTransitionTime": previous[1]}
+        cond = {
+            "type": kind,
+            "status": "True" if ok else "False",
+            "lastTransitionTime": previous[1],
+        }
         if not ok:
             cond["reason"] = reason
         return cond
@@ -317,18 +352,24 @@ class PodWorker:
             phase = "Succeeded" if ok and self.containers else "Failed"
         terminal = phase in ("Succeeded", "Failed")
         node = self.agent.config.name
-        ready = not terminal and bool(self.containers) and all(
-            c.proc is not None and c.terminated is None for c in self.containers)
+        ready = (
+            not terminal
+            and bool(self.containers)
+            and all(c.proc is not None and c.terminated is None for c in self.containers)
+        )
         initialized = self._prepared and all(c.done or c.sidecar for c in self.init_containers)
         not_ready = "PodCompleted" if terminal else "ContainersNotReady"
         status: dict[str, Any] = {
             "phase": phase,
-            "hostIP": self.agent.node_ip, "hostIPs": [{"ip": self.agent.node_ip}],
-            "podIP": self.pod_ip, "podIPs": [{"ip": self.pod_ip}],
+            "hostIP": self.agent.node_ip,
+            "hostIPs": [{"ip": self.agent.node_ip}],
+            "podIP": self.pod_ip,
+            "podIPs": [{"ip": self.pod_ip}],
             "startTime": self._start_time,
             "conditions": [
-                self._condition("PodReadyToStartContainers", self._prepared and not terminal,
-                                "PodNotReady"),
+                self._condition(
+                    "PodReadyToStartContainers", self._prepared and not terminal, "PodNotReady"
+                ),
                 self._condition("Initialized", initialized, "ContainersNotInitialized"),
                 self._condition("ContainersReady", ready, not_ready),
                 self._condition("Ready", ready, not_ready),

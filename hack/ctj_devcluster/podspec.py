@@ -63,8 +63,17 @@ def field_ref(pod: Obj, path: str) -> str:
 
 
 def _quantity(value: str) -> float:
-    suffixes = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-                "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    suffixes = {
+        "m": 1e-3,
+        "k": 1e3,
+        "M": 1e6,
+        "G": 1e9,
+        "T": 1e12,
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+    }
     m = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", str(value))
     if not m or (m.group(2) and m.group(2) not in suffixes):
         raise ConfigError(f"unsupported quantity {value!r}")
@@ -99,7 +108,7 @@ def _key_ref(kind: str, getter: Getter, namespace: str, ref: Obj) -> str | None:
             return str(obj["data"][key])
     if optional:
         return None
-    raise ConfigError(f'couldn\'t find key {key} in {kind} {namespace}/{ref["name"]}')
+    raise ConfigError(f"couldn't find key {key} in {kind} {namespace}/{ref['name']}")
 
 
 def container_env(
@@ -128,7 +137,8 @@ def container_env(
                 raise ConfigError(f'{kind} "{ref["name"]}" not found')
             for key, value in (obj.get("data") or {}).items():
                 env[prefix + key] = (
-                    base64.b64decode(value).decode() if kind == "secret" else str(value))
+                    base64.b64decode(value).decode() if kind == "secret" else str(value)
+                )
     for var in container.get("env") or []:
         name = var["name"]
         if "valueFrom" not in var:
@@ -139,8 +149,9 @@ def container_env(
         if "fieldRef" in source:
             value = field_ref(pod, source["fieldRef"]["fieldPath"])
         elif "resourceFieldRef" in source:
-            value = resource_field_ref(container, source["resourceFieldRef"],
-                                       node_allocatable or {})
+            value = resource_field_ref(
+                container, source["resourceFieldRef"], node_allocatable or {}
+            )
         elif "secretKeyRef" in source:
             value = _key_ref("secret", get_secret, namespace, source["secretKeyRef"])
         elif "configMapKeyRef" in source:
@@ -160,7 +171,8 @@ def container_argv(container: Obj, env: Mapping[str, str]) -> list[str]:
     if not command:
         raise ConfigError(
             f"container {container['name']!r} has no command: the local node runs commands "
-            "as host processes and cannot use an image's entrypoint")
+            "as host processes and cannot use an image's entrypoint"
+        )
     return [expand(str(a), env) for a in [*command, *args]]
 
 

@@ -123,9 +123,7 @@ class ManagedProcess:
     def check_alive(self) -> None:
         """Raises with the log tail if the process has exited (a server should not)."""
         if self.popen is not None and self.popen.poll() is not None:
-            raise ProcessDied(
-                f"{self.name} exited with {self.popen.returncode}\n{self.log_tail()}"
-            )
+            raise ProcessDied(f"{self.name} exited with {self.popen.returncode}\n{self.log_tail()}")
 
     def kill(self) -> None:
         """SIGKILL the whole group at once: what losing a machine looks like."""

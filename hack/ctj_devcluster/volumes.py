@@ -28,16 +28,20 @@ def _write(path: Path, data: bytes, mode: int) -> None:
     path.chmod(mode)
 
 
-def _write_keys(directory: Path, obj: Obj | None, ref: Obj, *, secret: bool,
-                default_mode: int, what: str) -> None:
+def _write_keys(
+    directory: Path, obj: Obj | None, ref: Obj, *, secret: bool, default_mode: int, what: str
+) -> None:
     if obj is None:
         if ref.get("optional"):
             return
         raise ConfigError(f"{what} {ref.get('name') or ref.get('secretName')!r} not found")
     data = dict(obj.get("data") or {})
     items = ref.get("items")
-    wanted = [(i["key"], i["path"], i.get("mode", default_mode)) for i in items] if items \
+    wanted = (
+        [(i["key"], i["path"], i.get("mode", default_mode)) for i in items]
+        if items
         else [(k, k, default_mode) for k in data]
+    )
     for key, rel, mode in wanted:
         if key not in data:
             if ref.get("optional"):
@@ -81,21 +85,39 @@ def materialize(
         elif "secret" in volume:
             ref = volume["secret"]
             target.mkdir(parents=True, exist_ok=True)
-            _write_keys(target, get_secret(namespace, ref["secretName"]), ref, secret=True,
-                        default_mode=ref.get("defaultMode", 0o644), what="secret")
+            _write_keys(
+                target,
+                get_secret(namespace, ref["secretName"]),
+                ref,
+                secret=True,
+                default_mode=ref.get("defaultMode", 0o644),
+                what="secret",
+            )
         elif "configMap" in volume:
             ref = volume["configMap"]
             target.mkdir(parents=True, exist_ok=True)
-            _write_keys(target, get_config_map(namespace, ref["name"]), ref, secret=False,
-                        default_mode=ref.get("defaultMode", 0o644), what="configMap")
+            _write_keys(
+                target,
+                get_config_map(namespace, ref["name"]),
+                ref,
+                secret=False,
+                default_mode=ref.get("defaultMode", 0o644),
+                what="configMap",
+            )
         elif "downwardAPI" in volume:
             ref = volume["downwardAPI"]
             target.mkdir(parents=True, exist_ok=True)
             _downward(target, pod, ref.get("items") or [], ref.get("defaultMode", 0o644))
         elif "projected" in volume:
             target.mkdir(parents=True, exist_ok=True)
-            _projected(target, pod, volume["projected"], get_secret=get_secret,
-                       get_config_map=get_config_map, request_token=request_token)
+            _projected(
+                target,
+                pod,
+                volume["projected"],
+                get_secret=get_secret,
+                get_config_map=get_config_map,
+                request_token=request_token,
+            )
         else:
             kinds = sorted(set(volume) - {"name"})
             raise ConfigError(f"volume {name!r}: unsupported volume type {kinds}")
@@ -103,8 +125,15 @@ def materialize(
     return paths
 
 
-def _projected(target: Path, pod: Obj, projected: Obj, *, get_secret: Getter,
-               get_config_map: Getter, request_token: TokenFn) -> None:
+def _projected(
+    target: Path,
+    pod: Obj,
+    projected: Obj,
+    *,
+    get_secret: Getter,
+    get_config_map: Getter,
+    request_token: TokenFn,
+) -> None:
     meta, spec = pod["metadata"], pod["spec"]
     mode = projected.get("defaultMode", 0o644)
     for source in projected.get("sources") or []:
@@ -112,22 +141,39 @@ def _projected(target: Path, pod: Obj, projected: Obj, *, get_secret: Getter,
             sat = source["serviceAccountToken"]
             request: dict[str, Any] = {
                 "expirationSeconds": sat.get("expirationSeconds", 3600),
-                "boundObjectRef": {"apiVersion": "v1", "kind": "Pod",
-                                   "name": meta["name"], "uid": meta["uid"]},
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                },
             }
             if sat.get("audience"):
                 request["audiences"] = [sat["audience"]]
-            token = request_token(meta["namespace"], spec.get("serviceAccountName") or "default",
-                                  request)
+            token = request_token(
+                meta["namespace"], spec.get("serviceAccountName") or "default", request
+            )
             _write(target / sat["path"], token.encode(), mode)
         elif "secret" in source:
             ref = source["secret"]
-            _write_keys(target, get_secret(meta["namespace"], ref["name"]), ref, secret=True,
-                        default_mode=mode, what="secret")
+            _write_keys(
+                target,
+                get_secret(meta["namespace"], ref["name"]),
+                ref,
+                secret=True,
+                default_mode=mode,
+                what="secret",
+            )
         elif "configMap" in source:
             ref = source["configMap"]
-            _write_keys(target, get_config_map(meta["namespace"], ref["name"]), ref,
-                        secret=False, default_mode=mode, what="configMap")
+            _write_keys(
+                target,
+                get_config_map(meta["namespace"], ref["name"]),
+                ref,
+                secret=False,
+                default_mode=mode,
+                what="configMap",
+            )
         elif "downwardAPI" in source:
             _downward(target, pod, source["downwardAPI"].get("items") or [], mode)
         else:
@@ -145,8 +191,13 @@ def container_mounts(container: Obj, volume_paths: Mapping[str, Path]) -> list[d
             source = source / vm["subPath"]
             if not source.exists():
                 source.mkdir(parents=True)
-        mounts.append({"source": str(source), "target": vm["mountPath"],
-                       "read_only": bool(vm.get("readOnly"))})
+        mounts.append(
+            {
+                "source": str(source),
+                "target": vm["mountPath"],
+                "read_only": bool(vm.get("readOnly")),
+            }
+        )
     return mounts
 
 

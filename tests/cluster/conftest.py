@@ -38,21 +38,26 @@ def cluster_binaries() -> Binaries:
 
 @pytest.fixture(scope="session")
 def cluster(
-    cluster_binaries: Binaries, tmp_path_factory: pytest.TempPathFactory,
+    cluster_binaries: Binaries,
+    tmp_path_factory: pytest.TempPathFactory,
     pytestconfig: pytest.Config,
 ) -> Iterator[Cluster]:
     """A running cluster: two Ready nodes (4 cpu, 8Gi, 2 example.com/gpu each)."""
     config = ClusterConfig(
-        root=tmp_path_factory.mktemp("devcluster"), nodes=2,
+        root=tmp_path_factory.mktemp("devcluster"),
+        nodes=2,
         node_extended_resources={GPU_RESOURCE: "2"},
-        node_monitor_grace_period=NODE_GRACE_SECONDS)
+        node_monitor_grace_period=NODE_GRACE_SECONDS,
+    )
     c = Cluster(config, cluster_binaries)
     c.start()
-    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(
-            f"\nctj devcluster: warm start {c.started_in:.1f}s "
-            f"({config.nodes} nodes Ready), kubeconfig {c.kubeconfig}")
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+    if capture is not None:
+        with capture.global_and_fixture_disabled():
+            print(
+                f"\nctj devcluster: warm start {c.started_in:.1f}s "
+                f"({config.nodes} nodes Ready), kubeconfig {c.kubeconfig}"
+            )
     try:
         yield c
     finally:
@@ -67,7 +72,10 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
     core = client.CoreV1Api(cluster.api_client())
     core.create_namespace({"metadata": {"name": name}})
-    wait_until(lambda: core.read_namespaced_service_account("default", name), timeout=30,
-               what=f"service account default in {name}")
+    wait_until(
+        lambda: core.read_namespaced_service_account("default", name),
+        timeout=30,
+        what=f"service account default in {name}",
+    )
     yield name
     core.delete_namespace(name)

@@ -24,14 +24,22 @@ def python_container(name: str, code: str, **extra: Any) -> dict[str, Any]:
 
 def pod_manifest(name: str, containers: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
     labels = spec.pop("labels", {})
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "labels": labels},
-            "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 5,
-                     "containers": containers, **spec}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 5,
+            "containers": containers,
+            **spec,
+        },
+    }
 
 
-def wait_pod_phase(api: client.CoreV1Api, namespace: str, name: str, phases: set[str],
-                   timeout: float = 60) -> dict[str, Any]:
+def wait_pod_phase(
+    api: client.CoreV1Api, namespace: str, name: str, phases: set[str], timeout: float = 60
+) -> dict[str, Any]:
     def done() -> dict[str, Any] | None:
         pod = read_pod(api, namespace, name)
         return pod if pod.get("status", {}).get("phase") in phases else None
@@ -39,16 +47,19 @@ def wait_pod_phase(api: client.CoreV1Api, namespace: str, name: str, phases: set
     def diagnostics() -> str:
         return json.dumps(read_pod(api, namespace, name).get("status"), indent=1)
 
-    result = wait_until(done, timeout=timeout, what=f"pod {namespace}/{name} in {phases}",
-                        on_timeout=diagnostics)
+    result = wait_until(
+        done, timeout=timeout, what=f"pod {namespace}/{name} in {phases}", on_timeout=diagnostics
+    )
     assert isinstance(result, dict)
     return result
 
 
 def exit_codes(pod: dict[str, Any]) -> dict[str, int]:
-    return {s["name"]: s["state"]["terminated"]["exitCode"]
-            for s in pod["status"].get("containerStatuses", [])
-            if (s.get("state") or {}).get("terminated")}
+    return {
+        s["name"]: s["state"]["terminated"]["exitCode"]
+        for s in pod["status"].get("containerStatuses", [])
+        if (s.get("state") or {}).get("terminated")
+    }
 
 
 def node_ready(api: client.CoreV1Api, name: str) -> str:

@@ -15,7 +15,8 @@ CHART = {
     "values.yaml": "greeting: hi\nreplicas: 2\n",
     "templates/configmap.yaml": (
         "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-config\n"
-        "data:\n  greeting: {{ .Values.greeting | quote }}\n"),
+        "data:\n  greeting: {{ .Values.greeting | quote }}\n"
+    ),
     "templates/deployment.yaml": """apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -45,15 +46,27 @@ def test_helm_install_waits_for_a_deployment(
         (chart / rel).parent.mkdir(parents=True, exist_ok=True)
         (chart / rel).write_text(text)
     assert "v3." in cluster.helm("version", "--short").stdout
-    cluster.helm("install", "demo", str(chart), "-n", namespace, "--set", "greeting=hello",
-                 "--wait", "--timeout=90s", timeout=120)
+    cluster.helm(
+        "install",
+        "demo",
+        str(chart),
+        "-n",
+        namespace,
+        "--set",
+        "greeting=hello",
+        "--wait",
+        "--timeout=90s",
+        timeout=120,
+    )
     releases = json.loads(cluster.helm("list", "-n", namespace, "-o", "json").stdout)
     assert [(r["name"], r["status"]) for r in releases] == [("demo", "deployed")]
-    config = json.loads(cluster.kubectl("get", "configmap", "demo-config", "-n", namespace,
-                                        "-o", "json").stdout)
+    config = json.loads(
+        cluster.kubectl("get", "configmap", "demo-config", "-n", namespace, "-o", "json").stdout
+    )
     assert config["data"] == {"greeting": "hello"}
-    deploy = json.loads(cluster.kubectl("get", "deployment", "demo", "-n", namespace,
-                                        "-o", "json").stdout)
+    deploy = json.loads(
+        cluster.kubectl("get", "deployment", "demo", "-n", namespace, "-o", "json").stdout
+    )
     assert deploy["status"]["readyReplicas"] == 2
     cluster.helm("uninstall", "demo", "-n", namespace, "--wait", "--timeout=60s", timeout=90)
     assert json.loads(cluster.helm("list", "-n", namespace, "-o", "json").stdout) == []

@@ -52,21 +52,41 @@ def test_sigkill_of_the_supervisor_kills_every_component(
     env = {**os.environ, "PYTHONPATH": f"{HACK}:{os.environ.get('PYTHONPATH', '')}"}
     up = subprocess.run(
         [sys.executable, "-m", "ctj_devcluster", "up", f"--dir={root}", "--nodes=1"],
-        env=env, capture_output=True, text=True, timeout=180, check=False)
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert up.returncode == 0, up.stdout + up.stderr
     assert f"export KUBECONFIG={root}/admin.kubeconfig" in up.stdout
     state = json.loads((root / "state.json").read_text())
     supervisor, children = state["pid"], list(state["pids"].values())
     assert len(children) >= 6  # etcd, apiserver, controller-manager, scheduler, dns, node
-    status = subprocess.run([sys.executable, "-m", "ctj_devcluster", "status", f"--dir={root}"],
-                            env=env, capture_output=True, text=True, timeout=60, check=False)
+    status = subprocess.run(
+        [sys.executable, "-m", "ctj_devcluster", "status", f"--dir={root}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert status.returncode == 0 and "node-1" in status.stdout, status.stdout + status.stderr
 
     t0 = time.monotonic()
     os.kill(supervisor, signal.SIGKILL)
-    wait_until(lambda: not any(_alive(p) for p in [supervisor, *children]), timeout=10,
-               what="every component to die with its supervisor")
+    wait_until(
+        lambda: not any(_alive(p) for p in [supervisor, *children]),
+        timeout=10,
+        what="every component to die with its supervisor",
+    )
     print(f"all components gone {time.monotonic() - t0:.2f}s after SIGKILL")
-    down = subprocess.run([sys.executable, "-m", "ctj_devcluster", "down", f"--dir={root}"],
-                          env=env, capture_output=True, text=True, timeout=60, check=False)
+    down = subprocess.run(
+        [sys.executable, "-m", "ctj_devcluster", "down", f"--dir={root}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert "not running" in down.stdout
