@@ -3,13 +3,17 @@
 Run by the node agent as ``python pod_exec.py SPEC.json`` (by path, stdlib only, so that
 nothing of ours is imported into, or left in the environment of, the container). It:
 
-1. asks the kernel to SIGKILL it if the agent dies (losing a node kills its containers),
+1. asks the kernel for a signal if the agent dies, and then SIGKILLs the container's whole
+   process group (losing a node kills everything its containers started, grandchildren
+   too; it is a child subreaper, so orphans stay its own),
 2. enters new mount and UTS namespaces (we are root; no container runtime needed), makes
    every mount private, so nothing below leaks to the host,
 3. sets the pod's hostname, bind-mounts the pod's volumes at their mountPaths (creating
    missing mount points on the host: empty directories, harmless) and the namespace's
    hosts file on /etc/hosts, which is how cluster DNS names resolve,
-4. chdirs to workingDir and execs the command with exactly the container's environment.
+4. chdirs to workingDir, forks and execs the command with exactly the container's
+   environment, waits for it (SIGTERM to the group reaches the command directly), then kills
+   whatever the command left in the group and exits with its code (128+N for signal N).
 
 Exit codes when the command cannot start: 126/127 (like a shell), 128 on setup failure.
 """
@@ -30,6 +34,9 @@ MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+DEATH_SIGNAL = signal.SIGRTMIN + 2
+"""Sent to us by the kernel when the agent dies; rare enough that no container uses it."""
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -60,10 +67,33 @@ def _bind(source: str, target: str, read_only: bool) -> None:
         )
 
 
+def _kill_group_and_exit(*_: object) -> None:
+    """The agent died (our PDEATHSIG): take the whole container down with us."""
+    os.killpg(0, signal.SIGKILL)
+
+
+def _others_in_group() -> list[int]:
+    me, group = os.getpid(), os.getpgrp()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(") ", 1)[1].split()
+            except (FileNotFoundError, IndexError, ProcessLookupError):
+                continue
+            if int(fields[2]) == group:
+                pids.append(int(entry))
+    return pids
+
+
 def setup(spec: dict) -> None:
-    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+    # Order matters: the handler before the death signal, the signal before the check.
+    signal.signal(DEATH_SIGNAL, _kill_group_and_exit)
+    _check(_libc.prctl(PR_SET_PDEATHSIG, DEATH_SIGNAL, 0, 0, 0), "prctl")
     if os.getppid() != spec["agent_pid"]:  # the agent died before prctl took effect
         os._exit(137)
+    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl subreaper")
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWUTS), "unshare")
     _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
     hostname = spec["hostname"].encode()
@@ -75,15 +105,8 @@ def setup(spec: dict) -> None:
     os.chdir(spec.get("working_dir") or "/")
 
 
-def main() -> None:
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    try:
-        setup(spec)
-    except OSError as exc:
-        print(f"ctj pod_exec: container setup failed: {exc}", file=sys.stderr, flush=True)
-        os._exit(128)
-    argv, env = spec["argv"], spec["env"]
+def _exec(argv: list[str], env: dict[str, str]) -> None:
+    """In the forked child: become the container's command."""
     try:
         os.execvpe(argv[0], argv, env)
     except FileNotFoundError:
@@ -96,6 +119,42 @@ def main() -> None:
     except OSError as exc:
         print(f"ctj pod_exec: exec {argv[0]}: {exc}", file=sys.stderr, flush=True)
         os._exit(126)
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    try:
+        setup(spec)
+    except OSError as exc:
+        print(f"ctj pod_exec: container setup failed: {exc}", file=sys.stderr, flush=True)
+        os._exit(128)
+    # SIGTERM/SIGINT reach the command through the process group; we only outlive it.
+    # (A handler, not SIG_IGN: handlers are reset by exec, ignored signals would be inherited.)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: None)
+    child = os.fork()
+    if child == 0:
+        for sig in (DEATH_SIGNAL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        _exec(spec["argv"], spec["env"])
+    while True:  # as a subreaper we also reap orphaned grandchildren
+        pid, status = os.waitpid(-1, 0)
+        if pid == child:
+            break
+    code = os.waitstatus_to_exitcode(status)
+    # A container ends with its main process: what it left running goes too.
+    for pid in _others_in_group():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        while os.waitpid(-1, 0):
+            pass
+    except ChildProcessError:
+        pass
+    os._exit(code if code >= 0 else 128 - code)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 from ctj_devcluster import Cluster
@@ -15,9 +16,14 @@ from .kube import core, node_ready, pod_manifest, python_container, read_pod, wa
 
 pytestmark = pytest.mark.cluster
 
-SLEEPER = (
-    "import os, time; open(os.environ['PIDFILE'], 'w').write(str(os.getpid())); time.sleep(3600)"
-)
+SLEEPER = """
+import os, subprocess, time
+grandchild = subprocess.Popen(["sleep", "3600"])   # like torchrun's workers
+with open(os.environ["PIDFILE"] + ".tmp", "w") as f:
+    f.write(f"{os.getpid()} {grandchild.pid}")
+os.rename(os.environ["PIDFILE"] + ".tmp", os.environ["PIDFILE"])
+time.sleep(3600)
+"""
 
 
 def _sleeper(name: str, node: str, pidfile: str, toleration_seconds: int = 300) -> dict:
@@ -36,6 +42,13 @@ def _sleeper(name: str, node: str, pidfile: str, toleration_seconds: int = 300) 
         nodeSelector={"kubernetes.io/hostname": node},
         tolerations=tolerations,
     )
+
+
+def _pids(pidfile: Path) -> list[int]:
+    text = wait_until(
+        lambda: pidfile.exists() and pidfile.read_text(), timeout=30, what=f"{pidfile}"
+    )
+    return [int(p) for p in str(text).split()]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -58,18 +71,16 @@ def test_killing_a_node_agent_loses_the_node(cluster: Cluster, namespace: str, t
         namespace, _sleeper("victim", "doomed", str(pidfile), toleration_seconds=1)
     )
     wait_pod_phase(api, namespace, "victim", {"Running"})
-    pid = int(
-        wait_until(
-            lambda: pidfile.exists() and pidfile.read_text(),
-            timeout=30,
-            what="the container's pid file",
-        )
-    )  # type: ignore[arg-type]
-    assert _pid_alive(pid)
+    pids = _pids(pidfile)
+    assert all(_pid_alive(p) for p in pids)
 
     killed_at = time.monotonic()
     cluster.kill_node("doomed")
-    wait_until(lambda: not _pid_alive(pid), timeout=5, what="the container to die with its node")
+    wait_until(
+        lambda: not any(_pid_alive(p) for p in pids),
+        timeout=5,
+        what="the container and its children to die with their node",
+    )
 
     wait_until(
         lambda: node_ready(api, "doomed") == "Unknown",
@@ -136,13 +147,7 @@ def test_cordon_then_drain_a_node(cluster: Cluster, namespace: str, tmp_path) ->
         cluster.kubectl("uncordon", "node-2")
     running = wait_pod_phase(api, namespace, "waits", {"Running"})
     assert running["spec"]["nodeName"] == "node-2"
-    pid = int(
-        wait_until(
-            lambda: (tmp_path / "a").exists() and (tmp_path / "a").read_text(),
-            timeout=30,
-            what="pid file",
-        )
-    )  # type: ignore[arg-type]
+    pids = _pids(tmp_path / "a")
 
     # drain evicts through the Eviction API; the agent stops the container (SIGTERM)
     # and removes the pod; the node stays cordoned
@@ -157,7 +162,7 @@ def test_cordon_then_drain_a_node(cluster: Cluster, namespace: str, tmp_path) ->
     )
     try:
         assert api.read_node("node-2").spec.unschedulable is True
-        assert not _pid_alive(pid)
+        assert not any(_pid_alive(p) for p in pids)
         names = [p.metadata.name for p in api.list_namespaced_pod(namespace).items]
         assert "waits" not in names
     finally:
