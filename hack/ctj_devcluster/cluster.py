@@ -218,6 +218,8 @@ class Cluster:
             "extended_resources": dict(self.config.node_extended_resources),
             **overrides,
         }
+        serving = cp.node_serving_cert(name, f"127.10.{index}.1")
+        assert cp.ca is not None
         node_config = NodeAgentConfig(
             name=name,
             index=index,
@@ -227,6 +229,9 @@ class Cluster:
             api_host=host,
             api_port=int(port),
             kubelet_version=_kube_version(self.binaries),
+            serving_cert=str(serving.cert),
+            serving_key=str(serving.key),
+            client_ca=str(cp.ca.pair.cert),
             **settings,
         )
         node_config.root.mkdir(parents=True, exist_ok=True)

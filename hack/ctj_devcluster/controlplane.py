@@ -139,6 +139,9 @@ class ControlPlane:
             ),
             ips=("127.0.0.1", service_ip),
         )
+        kubelet_client = ca.issue(
+            "apiserver-kubelet-client", common_name="kube-apiserver-kubelet-client", client=True
+        )
         self.admin_cert = ca.issue(
             "admin", common_name="ctj-admin", orgs=("system:masters",), client=True
         )
@@ -168,6 +171,11 @@ class ControlPlane:
                 f"--service-account-key-file={sa.cert}",
                 f"--service-account-signing-key-file={sa.key}",
                 "--authorization-mode=Node,RBAC",
+                # kubectl logs: reach each node agent's kubelet API on its InternalIP, with TLS
+                "--kubelet-preferred-address-types=InternalIP",
+                f"--kubelet-certificate-authority={ca.pair.cert}",
+                f"--kubelet-client-certificate={kubelet_client.cert}",
+                f"--kubelet-client-key={kubelet_client.key}",
                 "--enable-admission-plugins=NodeRestriction",
                 "--allow-privileged=true",
                 "--profiling=false",
@@ -252,6 +260,17 @@ class ControlPlane:
             ca_cert=self.ca.pair.cert,
             client=cert,
             user=f"node-{node_name}",
+        )
+
+    def node_serving_cert(self, node_name: str, node_ip: str) -> CertPair:
+        """The serving certificate of a node's kubelet API (the API server verifies it)."""
+        assert self.ca is not None
+        return self.ca.issue(
+            f"node-{node_name}-serving",
+            common_name=f"system:node:{node_name}",
+            server=True,
+            dns_names=(node_name,),
+            ips=(node_ip,),
         )
 
     def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:

@@ -35,6 +35,7 @@ from kubernetes.client.exceptions import ApiException
 
 from . import dns, volumes
 from .informer import Informer
+from .kubelet_server import KubeletServer
 from .pod_worker import PodWorker, now_rfc3339
 from .podspec import Obj
 
@@ -67,6 +68,12 @@ class NodeAgentConfig:
     status_update_interval: float = 10.0
     restart_backoff: float = 1.0
     max_restart_backoff: float = 10.0
+    serving_cert: str = ""
+    """Certificate and key for the kubelet API (kubectl logs); empty: not served."""
+    serving_key: str = ""
+    client_ca: str = ""
+    """CA whose client certificates (the API server's) the kubelet API accepts."""
+    kubelet_port: int = 10250
     python_bin_dir: str = field(default_factory=lambda: os.path.dirname(sys.executable))
     """Put first on every container's PATH, so a command ``python`` is the venv's python."""
 
@@ -176,7 +183,7 @@ class NodeAgent:
                 {"type": "InternalIP", "address": self.node_ip},
                 {"type": "Hostname", "address": self.config.name},
             ],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.config.kubelet_port}},
             "nodeInfo": {
                 "machineID": uuid.uuid5(uuid.NAMESPACE_DNS, self.config.name).hex,
                 "systemUUID": str(uuid.uuid5(uuid.NAMESPACE_DNS, self.config.name)),
@@ -338,6 +345,20 @@ class NodeAgent:
         )
         return str(result.status.token)
 
+    def container_log(self, namespace: str, pod: str, container: str) -> Any:
+        """For the kubelet API: a container's log file and whether it is still running."""
+        with self._lock:
+            workers = list(self.workers.values())
+        for w in workers:
+            meta = w.pod["metadata"]
+            if (meta["namespace"], meta["name"]) == (namespace, pod):
+                for c in w.init_containers + w.containers:
+                    if c.name == container:
+                        return w.dir / f"{container}.log", c.running
+        for path in (self.config.root / "pods").glob(f"{namespace}_{pod}_*/{container}.log"):
+            return path, lambda: False
+        return None
+
     def hosts_file(self, namespace: str) -> Path:
         path = dns.hosts_path(self.config.dns_dir, namespace)
         if not path.exists():
@@ -352,6 +373,14 @@ class NodeAgent:
     # --- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
         self.config.root.mkdir(parents=True, exist_ok=True)
+        if self.config.serving_cert:
+            KubeletServer(
+                (self.node_ip, self.config.kubelet_port),
+                cert=Path(self.config.serving_cert),
+                key=Path(self.config.serving_key),
+                client_ca=Path(self.config.client_ca),
+                locate=self.container_log,
+            ).start()
         self.register()
         informer = Informer(
             self.api,

@@ -61,6 +61,9 @@ class Container:
     def name(self) -> str:
         return str(self.spec["name"])
 
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     @property
     def sidecar(self) -> bool:
         return self.init and self.spec.get("restartPolicy") == "Always"

@@ -112,6 +112,12 @@ def test_two_pods_talk_by_dns_name_and_report_exit_codes(cluster: Cluster, names
     # Pods share the host's network namespace: the peer address is 127.0.0.1, not client_ip.
     assert "got s3cret from 127." in cluster.container_log(namespace, "server", "main")
     assert "ack:s3cret from client" in cluster.container_log(namespace, "client", "main")
+    # kubectl logs goes API server -> the node agent's kubelet API (TLS both ways)
+    logs = cluster.kubectl("logs", "client", "-n", namespace).stdout
+    assert "ack:s3cret from client" in logs
+    assert cluster.kubectl("logs", "server", "-n", namespace, "--tail=1").stdout.startswith(
+        "got s3cret"
+    )
 
 
 WRITER = """
