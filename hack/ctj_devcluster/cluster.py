@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +40,8 @@ class ClusterConfig:
     node_monitor_grace_period: float = 10.0
     node_monitor_period: float = 1.0
     start_timeout: float = 90.0
+    net: str = ""
+    """Loopback /16 for node and pod addresses, e.g. "127.10"; empty: the first free one."""
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -67,6 +70,7 @@ class Cluster:
             self.binaries,
         )
         self.nodes: dict[str, NodeHandle] = {}
+        self.net = config.net or _free_loopback_net()
         self.dns: ManagedProcess | None = None
         self._next_index = 1
         self.started_in: float = 0.0
@@ -218,7 +222,7 @@ class Cluster:
             "extended_resources": dict(self.config.node_extended_resources),
             **overrides,
         }
-        serving = cp.node_serving_cert(name, f"127.10.{index}.1")
+        serving = cp.node_serving_cert(name, f"{self.net}.{index}.1")
         assert cp.ca is not None
         node_config = NodeAgentConfig(
             name=name,
@@ -229,6 +233,7 @@ class Cluster:
             api_host=host,
             api_port=int(port),
             kubelet_version=_kube_version(self.binaries),
+            net=self.net,
             serving_cert=str(serving.cert),
             serving_key=str(serving.key),
             client_ca=str(cp.ca.pair.cert),
@@ -328,3 +333,16 @@ def _kube_version(binaries: Binaries) -> str:
         if part.startswith("k8s-v"):
             return part.split("-")[1]
     return "v1.34.0"
+
+
+def _free_loopback_net() -> str:
+    """The first 127.X (X >= 10) whose first node address has the kubelet port free: every
+    cluster on this machine gets its own addresses, so several can run at once."""
+    for x in range(10, 255):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((f"127.{x}.1.1", 10250))
+            except OSError:
+                continue
+        return f"127.{x}"
+    raise RuntimeError("no free 127.X/16 for the cluster's addresses")

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import re
 import signal
 import sys
 import threading
@@ -49,7 +50,9 @@ class NodeAgentConfig:
 
     name: str
     index: int
-    """1..250: the node's address is 127.10.<index>.1 and its pods get 127.10.<index>.2-254."""
+    """1..250: the node's address is <net>.<index>.1 and its pods get <net>.<index>.2-254."""
+    net: str = "127.10"
+    """The cluster's /16 of loopback addresses (one per cluster running on this machine)."""
     kubeconfig: Path
     root: Path
     """The node's directory: pod logs, volumes, exec specs."""
@@ -83,6 +86,8 @@ class NodeAgentConfig:
             Path(self.root),
             Path(self.dns_dir),
         )
+        if not re.fullmatch(r"127\.\d{1,3}", self.net):
+            raise ValueError(f"net {self.net!r} is not a 127.X loopback /16")
         if not 1 <= self.index <= 250:
             raise ValueError(f"node index {self.index} not in 1..250")
         if not self.name or self.name != self.name.lower():
@@ -108,13 +113,14 @@ def _micro_now() -> str:
 class NodeAgent:
     def __init__(self, config_: NodeAgentConfig) -> None:
         self.config = config_
-        self.node_ip = f"127.10.{config_.index}.1"
+        self.subnet = f"{config_.net}.{config_.index}."
+        self.node_ip = f"{self.subnet}1"
         self.api = config.new_client_from_config(config_file=str(config_.kubeconfig))
         self.core = client.CoreV1Api(self.api)
         self.coordination = client.CoordinationV1Api(self.api)
         self.workers: dict[str, PodWorker] = {}
         self._lock = threading.Lock()
-        self._free_ips = [f"127.10.{config_.index}.{n}" for n in range(254, 1, -1)]
+        self._free_ips = [f"{self.subnet}{n}" for n in range(254, 1, -1)]
         self._stopping = threading.Event()
         self.node_uid = ""
         capacity = {
@@ -281,7 +287,7 @@ class NodeAgent:
         volumes.cleanup(worker.dir, worker.pod["metadata"]["uid"])
         with self._lock:
             self.workers.pop(worker.pod["metadata"]["uid"], None)
-            if worker.pod_ip.startswith(f"127.10.{self.config.index}."):
+            if worker.pod_ip.startswith(self.subnet):
                 self._free_ips.append(worker.pod_ip)
 
     def delete_pod(self, pod: Obj) -> None:
