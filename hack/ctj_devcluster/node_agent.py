@@ -123,6 +123,7 @@ class NodeAgent:
         self._free_ips = [f"{self.subnet}{n}" for n in range(254, 1, -1)]
         self._stopping = threading.Event()
         self.node_uid = ""
+        self._ready_since = now_rfc3339()
         capacity = {
             "cpu": config_.cpu,
             "memory": config_.memory,
@@ -156,14 +157,14 @@ class NodeAgent:
         self.renew_lease()
 
     def post_status(self) -> None:
-        t = now_rfc3339()
+        t, since = now_rfc3339(), self._ready_since
         conditions = [
             {
                 "type": kind,
                 "status": "False",
                 "reason": f"KubeletHas{reason}",
                 "lastHeartbeatTime": t,
-                "lastTransitionTime": t,
+                "lastTransitionTime": since,
             }
             for kind, reason in (
                 ("MemoryPressure", "SufficientMemory"),
@@ -178,7 +179,7 @@ class NodeAgent:
                 "reason": "KubeletReady",
                 "message": "ctj node agent is posting ready status",
                 "lastHeartbeatTime": t,
-                "lastTransitionTime": t,
+                "lastTransitionTime": since,
             }
         )
         status = {
@@ -333,7 +334,8 @@ class NodeAgent:
     # --- what workers read through the node's credentials --------------------------------
     def _read(self, fn: Any, namespace: str, name: str) -> Obj | None:
         try:
-            return json.loads(fn(name, namespace, _preload_content=False).data)  # type: ignore[no-any-return]
+            obj: Obj = json.loads(fn(name, namespace, _preload_content=False).data)
+            return obj
         except ApiException as exc:
             if exc.status == 404:
                 return None

@@ -135,8 +135,8 @@ def main() -> None:
         signal.signal(sig, lambda *_: None)
     child = os.fork()
     if child == 0:
-        for sig in (DEATH_SIGNAL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
+        for reset in (DEATH_SIGNAL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(reset, signal.SIG_DFL)
         _exec(spec["argv"], spec["env"])
     while True:  # as a subreaper we also reap orphaned grandchildren
         pid, status = os.waitpid(-1, 0)

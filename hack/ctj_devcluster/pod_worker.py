@@ -107,6 +107,8 @@ class PodWorker:
     _last_status: str = ""
     _start_time: str = field(default_factory=now_rfc3339)
     _prepared: bool = False
+    _finishing: bool = False
+    """The pod is done: containers that exit now are not restarted."""
     _conditions: dict[str, tuple[bool, str]] = field(default_factory=dict)
     _volume_paths: dict[str, Path] = field(default_factory=dict)
     thread: threading.Thread | None = None
@@ -159,12 +161,16 @@ class PodWorker:
                 self._stop.wait(2.0)
                 continue
             self._step()
-            self._report()
             if self._phase() in ("Succeeded", "Failed"):
-                self._kill_all(0)  # native sidecars end with the pod
+                # Native sidecars are stopped (SIGTERM, grace period) before the pod is
+                # reported done, as the kubelet does.
+                grace = self.pod["spec"].get("terminationGracePeriodSeconds")
+                self._finishing = True
+                self._kill_all(30.0 if grace is None else float(grace))
                 self._report()
                 self._stop.wait()
                 break
+            self._report()
             self._stop.wait(0.1)
         self._kill_all(self._grace)
         self._report(final=True)
@@ -271,7 +277,7 @@ class PodWorker:
                 "OnFailure" if c.init and self.restart_policy == "Always" else self.restart_policy
             )
         )
-        if self._stop.is_set() or not podspec.should_restart(policy, exit_code):
+        if self._stop.is_set() or self._finishing or not podspec.should_restart(policy, exit_code):
             c.done = True
             return
         backoff = min(

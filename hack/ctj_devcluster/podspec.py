@@ -135,10 +135,8 @@ def container_env(
                 if ref.get("optional"):
                     continue
                 raise ConfigError(f'{kind} "{ref["name"]}" not found')
-            for key, value in (obj.get("data") or {}).items():
-                env[prefix + key] = (
-                    base64.b64decode(value).decode() if kind == "secret" else str(value)
-                )
+            for key, raw in (obj.get("data") or {}).items():
+                env[prefix + key] = base64.b64decode(raw).decode() if kind == "secret" else str(raw)
     for var in container.get("env") or []:
         name = var["name"]
         if "valueFrom" not in var:

@@ -11,7 +11,7 @@ import pytest
 from ctj_devcluster import Cluster
 from ctj_devcluster.processes import wait_until
 
-from .conftest import NODE_GRACE_SECONDS
+from .conftest import GPU_RESOURCE, NODE_GRACE_SECONDS
 from .kube import core, node_ready, pod_manifest, python_container, read_pod, wait_pod_phase
 
 pytestmark = pytest.mark.cluster
@@ -167,3 +167,24 @@ def test_cordon_then_drain_a_node(cluster: Cluster, namespace: str, tmp_path) ->
         assert "waits" not in names
     finally:
         cluster.kubectl("uncordon", "node-2")
+
+
+def test_extended_resources_are_scheduled_like_gpus(cluster: Cluster, namespace: str) -> None:
+    api = core(cluster)
+
+    def gpu_pod(name: str, gpus: int) -> dict:
+        resources = {"limits": {GPU_RESOURCE: str(gpus)}}
+        return pod_manifest(name, [python_container("main", "print('ran')", resources=resources)])
+
+    api.create_namespaced_pod(namespace, gpu_pod("fits", 2))
+    api.create_namespaced_pod(namespace, gpu_pod("too-big", 3))  # nodes have 2 each
+    assert wait_pod_phase(api, namespace, "fits", {"Succeeded"})["spec"]["nodeName"]
+
+    def unschedulable() -> bool:
+        conds = read_pod(api, namespace, "too-big")["status"].get("conditions") or []
+        return any(
+            c["type"] == "PodScheduled" and f"Insufficient {GPU_RESOURCE}" in c.get("message", "")
+            for c in conds
+        )
+
+    wait_until(unschedulable, timeout=30, what="the scheduler to find no node with 3 GPUs")

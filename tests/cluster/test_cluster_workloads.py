@@ -194,3 +194,46 @@ def test_missing_command_fails_the_pod_with_exit_127(cluster: Cluster, namespace
     done = wait_pod_phase(api, namespace, "broken", {"Failed", "Succeeded"})
     assert done["status"]["phase"] == "Failed"
     assert exit_codes(done) == {"main": 127}
+
+
+def test_init_container_then_native_sidecar_then_main(cluster: Cluster, namespace: str) -> None:
+    """The shape of a ctj training pod: init, a sidecar (restartPolicy Always init
+    container) running beside the trainer, and the pod done when the trainer is."""
+    api = core(cluster)
+    mount = [{"name": "staging", "mountPath": "/mnt/ctj-test/staging"}]
+    init = python_container(
+        "init", "open('/mnt/ctj-test/staging/init', 'w').write('ok')", volumeMounts=mount
+    )
+    sidecar = python_container(
+        "sidecar",
+        "import time\nopen('/mnt/ctj-test/staging/sidecar', 'w').write('up')\ntime.sleep(3600)",
+        volumeMounts=mount,
+        restartPolicy="Always",
+    )
+    main = python_container(
+        "trainer",
+        "import os, time\n"
+        "assert open('/mnt/ctj-test/staging/init').read() == 'ok'\n"
+        "deadline = time.monotonic() + 30\n"
+        "while not os.path.exists('/mnt/ctj-test/staging/sidecar'):\n"
+        "    assert time.monotonic() < deadline\n"
+        "    time.sleep(0.1)\n"
+        "print('trainer saw init and sidecar')\n",
+        volumeMounts=mount,
+    )
+    pod = pod_manifest(
+        "trainer",
+        [main],
+        initContainers=[init, sidecar],
+        volumes=[{"name": "staging", "emptyDir": {"medium": "Memory"}}],
+    )
+    api.create_namespaced_pod(namespace, pod)
+    done = wait_pod_phase(api, namespace, "trainer", {"Succeeded", "Failed"})
+    assert done["status"]["phase"] == "Succeeded", cluster.container_log(
+        namespace, "trainer", "trainer"
+    )
+    inits = {s["name"]: s["state"] for s in done["status"]["initContainerStatuses"]}
+    assert inits["init"]["terminated"]["exitCode"] == 0
+    # the sidecar was stopped (SIGTERM) once the trainer finished
+    assert inits["sidecar"]["terminated"]["exitCode"] == 128 + 15
+    assert "trainer saw init and sidecar" in cluster.container_log(namespace, "trainer", "trainer")
