@@ -340,6 +340,7 @@ def _free_loopback_net() -> str:
     cluster on this machine gets its own addresses, so several can run at once."""
     for x in range(10, 255):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the agent's server
             try:
                 s.bind((f"127.{x}.1.1", 10250))
             except OSError:
