@@ -287,6 +287,16 @@ class Cluster:
         """Loses the machine: SIGKILL to the agent and everything it runs, no goodbye."""
         self.nodes[name].process.kill()
 
+    def restart_node(self, name: str) -> None:
+        """Brings a killed or stopped node back (same name and addresses) and waits until it
+        is Ready: the machine rebooted. Its pods that were evicted meanwhile are removed;
+        the others start again."""
+        handle = self.nodes[name]
+        if handle.process.alive():
+            handle.process.stop(grace=10.0)
+        handle.process.start()
+        self.wait_node_ready(name)
+
     def stop_node(self, name: str) -> None:
         """Shuts the agent down (its containers are stopped first); the Node stays."""
         self.nodes[name].process.stop(grace=10.0)
