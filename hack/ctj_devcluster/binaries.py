@@ -57,7 +57,7 @@ def _dirs_from_build_script() -> dict[str, str]:
     )
     if proc.returncode == 3:
         raise BinariesMissing(
-            f"control plane binaries not built (run {BUILD_SCRIPT}; ~30 min cold): "
+            f"control plane binaries not built (run {BUILD_SCRIPT}; about 13 min cold): "
             + proc.stderr.strip()
         )
     if proc.returncode != 0:
