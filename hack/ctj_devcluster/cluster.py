@@ -135,10 +135,8 @@ class Cluster:
     def start(self) -> Cluster:
         t0 = time.monotonic()
         try:
-            self.control_plane.start()
-            self._start_dns()
-            for _ in range(self.config.nodes):
-                self.add_node(wait=False)
+            self.control_plane.start(with_apiserver=self._start_dns_and_nodes)
+            self._grant_dns()
             for name in self.nodes:
                 self.wait_node_ready(name)
             self._wait_default_service_account()
@@ -149,7 +147,37 @@ class Cluster:
         self._write_state()
         return self
 
+    def _start_dns_and_nodes(self) -> None:
+        self._start_dns()
+        for _ in range(self.config.nodes):
+            self.add_node(wait=False)
+
     def _start_dns(self) -> None:
+        ca = self.control_plane.ca
+        assert ca is not None
+        cert = ca.issue("dns", common_name=DNS_USER, client=True)
+        kubeconfig = write_kubeconfig(
+            self.config.root / "dns.kubeconfig",
+            server=self.control_plane.server,
+            ca_cert=ca.pair.cert,
+            client=cert,
+            user="dns",
+        )
+        self.dns = ManagedProcess(
+            name="dns",
+            log_path=self.control_plane.logs / "dns.log",
+            env=self._python_env(),
+            argv=[
+                sys.executable,
+                "-m",
+                "ctj_devcluster.dns",
+                f"--kubeconfig={kubeconfig}",
+                f"--dns-dir={self.dns_dir}",
+            ],
+        ).start()
+
+    def _grant_dns(self) -> None:
+        """RBAC for the DNS publisher (it retries until this exists), as CoreDNS gets."""
         from kubernetes import client
 
         rbac = client.RbacAuthorizationV1Api(self.api_client())
@@ -178,28 +206,6 @@ class Cluster:
                 ],
             }
         )
-        ca = self.control_plane.ca
-        assert ca is not None
-        cert = ca.issue("dns", common_name=DNS_USER, client=True)
-        kubeconfig = write_kubeconfig(
-            self.config.root / "dns.kubeconfig",
-            server=self.control_plane.server,
-            ca_cert=ca.pair.cert,
-            client=cert,
-            user="dns",
-        )
-        self.dns = ManagedProcess(
-            name="dns",
-            log_path=self.control_plane.logs / "dns.log",
-            env=self._python_env(),
-            argv=[
-                sys.executable,
-                "-m",
-                "ctj_devcluster.dns",
-                f"--kubeconfig={kubeconfig}",
-                f"--dns-dir={self.dns_dir}",
-            ],
-        ).start()
 
     def _python_env(self) -> dict[str, str]:
         pythonpath = os.pathsep.join(p for p in (str(HACK_DIR), os.environ.get("PYTHONPATH")) if p)

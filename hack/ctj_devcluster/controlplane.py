@@ -14,6 +14,7 @@ import ipaddress
 import json
 import ssl
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,15 +76,18 @@ class ControlPlane:
     def logs(self) -> Path:
         return self.config.root / "logs"
 
-    def start(self) -> ControlPlane:
+    def start(self, with_apiserver: Callable[[], None] | None = None) -> ControlPlane:
+        """Starts every component; ``with_apiserver`` runs right after the API server is
+        launched, before it is ready (the cluster starts its node agents and DNS there:
+        they retry until it answers, and their start-up overlaps the API server's)."""
         try:
-            self._start()
+            self._start(with_apiserver)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start(self) -> None:
+    def _start(self, with_apiserver: Callable[[], None] | None) -> None:
         root = self.config.root
         root.mkdir(parents=True, exist_ok=True)
         ca = self.ca = CertificateAuthority(self.pki)
@@ -182,6 +186,8 @@ class ControlPlane:
                 *self.config.extra_apiserver_args,
             ],
         )
+        if with_apiserver is not None:
+            with_apiserver()
         ctx = ssl.create_default_context(cafile=str(ca.pair.cert))
         ctx.load_cert_chain(str(self.admin_cert.cert), str(self.admin_cert.key))
         self._wait_healthy(apiserver, f"{self.server}/readyz", ctx)

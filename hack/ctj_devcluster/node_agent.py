@@ -156,6 +156,20 @@ class NodeAgent:
         self.post_status()
         self.renew_lease()
 
+    def _register_when_possible(self, timeout: float = 120.0) -> None:
+        """Registers, retrying while the API server is still starting (the launcher starts
+        agents together with it) or briefly away, like a kubelet."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.register()
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("registration not possible yet (%s); retrying", type(exc).__name__)
+                time.sleep(0.2)
+
     def post_status(self) -> None:
         t, since = now_rfc3339(), self._ready_since
         conditions = [
@@ -389,7 +403,7 @@ class NodeAgent:
                 client_ca=Path(self.config.client_ca),
                 locate=self.container_log,
             ).start()
-        self.register()
+        self._register_when_possible()
         informer = Informer(
             self.api,
             self.core.list_pod_for_all_namespaces,
