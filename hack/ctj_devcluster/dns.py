@@ -4,7 +4,8 @@ A real cluster resolves ``<hostname>.<subdomain>.<namespace>.svc.cluster.local``
 that sets ``hostname`` and ``subdomain`` when a headless Service named ``<subdomain>``
 selects it; that is how training ranks find each other (MASTER_ADDR). Here every pod's
 processes run in their own mount namespace with ``/etc/hosts`` bind-mounted from
-``<dns dir>/<namespace>.hosts``, which this publisher keeps current. Code under test just
+``<dns dir>/<pod uid>.hosts``, which this publisher keeps current (the pod's own line,
+as the kubelet writes it, then every name published in its namespace). Code under test just
 resolves names; nothing in it knows about this.
 
 The publisher runs as its own process with its own identity (``ctj:dns``, RBAC: list/watch
@@ -69,12 +70,26 @@ def hosts_entries(pods: Iterable[Obj], services: Iterable[Obj]) -> dict[str, lis
     return {ns: sorted(entries) for ns, entries in lines.items()}
 
 
-def render(entries: Iterable[str]) -> str:
-    return HEADER + "".join(f"{line}\n" for line in entries)
+def own_entry(pod: Obj, pod_ip: str) -> str:
+    """The pod's own line, as the kubelet writes it: its FQDN (with a subdomain) and its
+    hostname, so ``socket.getfqdn()`` and gloo's hostname lookup find the pod IP."""
+    meta, spec = pod["metadata"], pod.get("spec") or {}
+    hostname = spec.get("hostname") or meta["name"]
+    if spec.get("subdomain"):
+        fqdn = f"{hostname}.{spec['subdomain']}.{meta['namespace']}.svc.{CLUSTER_DOMAIN}"
+        return f"{pod_ip}\t{fqdn} {hostname}"
+    return f"{pod_ip}\t{hostname}"
 
 
-def hosts_path(dns_dir: Path, namespace: str) -> Path:
-    return dns_dir / f"{namespace}.hosts"
+def render(own: str | None, entries: Iterable[str]) -> str:
+    """A pod's /etc/hosts: localhost, its own line, then its namespace's published names."""
+    lines = ([own] if own else []) + [e for e in entries if e != own]
+    return HEADER + "".join(f"{line}\n" for line in lines)
+
+
+def hosts_path(dns_dir: Path, pod_uid: str) -> Path:
+    """Each pod has its own hosts file (its own line differs), kept by the publisher."""
+    return dns_dir / f"{pod_uid}.hosts"
 
 
 def write_in_place(path: Path, content: str) -> bool:
@@ -125,12 +140,26 @@ class DnsPublisher:
             self.publish()
 
     def publish(self) -> None:
-        entries = hosts_entries(list(self.pods.store.values()), list(self.services.store.values()))
-        namespaces = {p["metadata"]["namespace"] for p in list(self.pods.store.values())}
-        for ns in namespaces | set(entries) | self._known:
-            if write_in_place(hosts_path(self.dns_dir, ns), render(entries.get(ns, []))):
-                logging.info("dns: %s now has %d names", ns, len(entries.get(ns, [])))
-        self._known |= namespaces | set(entries)
+        pods = list(self.pods.store.values())
+        entries = hosts_entries(pods, list(self.services.store.values()))
+        current: set[str] = set()
+        for pod in pods:
+            ip = (pod.get("status") or {}).get("podIP")
+            if not ip:
+                continue
+            uid, ns = pod["metadata"]["uid"], pod["metadata"]["namespace"]
+            current.add(uid)
+            content = render(own_entry(pod, ip), entries.get(ns, []))
+            if write_in_place(hosts_path(self.dns_dir, uid), content):
+                logging.info(
+                    "dns: %s/%s sees %d names",
+                    ns,
+                    pod["metadata"]["name"],
+                    len(entries.get(ns, [])),
+                )
+        for uid in self._known - current:  # pods gone: their mounts keep the inode
+            hosts_path(self.dns_dir, uid).unlink(missing_ok=True)
+        self._known = current
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -381,15 +381,18 @@ class NodeAgent:
             return path, lambda: False
         return None
 
-    def hosts_file(self, namespace: str) -> Path:
-        path = dns.hosts_path(self.config.dns_dir, namespace)
-        if not path.exists():
-            try:  # O_EXCL: never clobber what the DNS publisher already wrote
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                os.write(fd, dns.render([]).encode())
-                os.close(fd)
-            except FileExistsError:
-                pass
+    def hosts_file(self, pod: Obj, pod_ip: str) -> Path:
+        """The pod's /etc/hosts. Created here with the pod's own line if the DNS publisher
+        has not written it yet; the publisher then keeps it current."""
+        path = dns.hosts_path(self.config.dns_dir, pod["metadata"]["uid"])
+        try:  # O_EXCL: never clobber what the publisher already wrote
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return path
+        try:
+            os.write(fd, dns.render(dns.own_entry(pod, pod_ip), []).encode())
+        finally:
+            os.close(fd)
         return path
 
     # --- lifecycle -------------------------------------------------------------------------

@@ -235,7 +235,7 @@ class PodWorker:
             "agent_pid": os.getpid(),
             "hostname": self.pod["spec"].get("hostname") or self.pod["metadata"]["name"],
             "mounts": mounts,
-            "hosts_file": str(self.agent.hosts_file(self.pod["metadata"]["namespace"])),
+            "hosts_file": str(self.agent.hosts_file(self.pod, self.pod_ip)),
             "working_dir": c.spec.get("workingDir") or "/",
             "argv": argv,
             "env": env,

@@ -37,6 +37,7 @@ while True:
         if time.monotonic() > deadline:
             raise
         time.sleep(0.2)
+print("self", socket.gethostbyname(socket.gethostname()), flush=True)  # own hosts line
 conn.sendall(os.environ["TOKEN"].encode())
 print(conn.recv(100).decode(), "from", socket.gethostname(), flush=True)
 raise SystemExit(3)
@@ -112,6 +113,7 @@ def test_two_pods_talk_by_dns_name_and_report_exit_codes(cluster: Cluster, names
     # Pods share the host's network namespace: the peer address is 127.0.0.1, not client_ip.
     assert "got s3cret from 127." in cluster.container_log(namespace, "server", "main")
     assert "ack:s3cret from client" in cluster.container_log(namespace, "client", "main")
+    assert f"self {client_ip}\n" in cluster.container_log(namespace, "client", "main")
     # kubectl logs goes API server -> the node agent's kubelet API (TLS both ways)
     logs = cluster.kubectl("logs", "client", "-n", namespace).stdout
     assert "ack:s3cret from client" in logs

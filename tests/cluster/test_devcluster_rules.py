@@ -155,11 +155,20 @@ def test_dns_names_pods_of_headless_services_only() -> None:
     assert dns.hosts_entries([terminating], [_service("trainers")]) == {}
 
 
+def test_a_pod_resolves_its_own_hostname_first() -> None:
+    own = dns.own_entry(POD, "127.10.1.2")
+    assert own == "127.10.1.2\ttrainer-0.trainers.ml.svc.cluster.local trainer-0"
+    plain = {**POD, "spec": {"nodeName": "node-1"}}
+    assert dns.own_entry(plain, "127.10.1.9") == "127.10.1.9\ttrainer-0"
+    text = dns.render(own, ["127.10.1.3\tb.trainers"])
+    assert text == dns.HEADER + own + "\n127.10.1.3\tb.trainers\n"
+
+
 def test_hosts_file_rewrite_keeps_the_inode(tmp_path) -> None:
-    path = tmp_path / "ml.hosts"
-    assert dns.write_in_place(path, dns.render(["127.10.1.2\ta.b", "127.10.1.3\tc.b"]))
+    path = tmp_path / "uid.hosts"
+    assert dns.write_in_place(path, dns.render(None, ["127.10.1.2\ta.b", "127.10.1.3\tc.b"]))
     inode = path.stat().st_ino
-    assert dns.write_in_place(path, dns.render(["127.10.1.2\ta.b"]))
-    assert not dns.write_in_place(path, dns.render(["127.10.1.2\ta.b"]))
+    assert dns.write_in_place(path, dns.render(None, ["127.10.1.2\ta.b"]))
+    assert not dns.write_in_place(path, dns.render(None, ["127.10.1.2\ta.b"]))
     assert path.stat().st_ino == inode
     assert path.read_text() == dns.HEADER + "127.10.1.2\ta.b\n"
