@@ -18,11 +18,10 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
 
-SAVE_PHASES = {"save_boto3", "save_ours_full", "save_ours_incremental"}
+KEYS = {"command", "date", "config", "server", "engine", "machine", "phases", "ratios", "targets"}
+SAVE_PHASES = {"save_boto3", "save_boto3_objects", "save_ours_full", "save_ours_incremental"}
 LOAD_PHASES = {"load_ours_w1", "load_ours_w2", "load_ours_w3"}
-S3TC_PHASES = {"save_s3torchconnector"} | {
-    f"load_s3torchconnector_w{w}" for w in (1, 2, 3)
-}
+S3TC_PHASES = {"save_s3torchconnector"} | {f"load_s3torchconnector_w{w}" for w in (1, 2, 3)}
 S3TC_RATIOS = {
     "save_throughput_ratio_vs_s3torchconnector",
     *(f"load_throughput_ratio_vs_s3torchconnector_2to{w}" for w in (1, 2, 3)),
@@ -44,9 +43,7 @@ def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
     assert "ratio (ours / anchor)" in proc.stdout
     report = json.loads(out.read_text())
 
-    assert {"command", "date", "config", "server", "machine", "phases", "ratios", "targets"} <= set(
-        report
-    )
+    assert KEYS <= set(report)
     assert {"nproc", "mem_gib", "torch"} <= set(report["machine"])
     assert report["config"]["save_world_size"] == 2
     assert report["config"]["load_world_sizes"] == [2, 1, 3]

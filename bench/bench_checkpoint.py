@@ -1,0 +1,797 @@
+"""Checkpoint engine vs its anchors, side by side on one S3 server in one run (issue 2).
+
+What is measured, on the same state (default: 20 fp32 tensors, 1 GiB in all, FSDP2-sharded
+over 2 gloo ranks on CPU) and the same S3 server:
+
+* save, raw boto3: each rank uploads its shard bytes as one multipart object
+  (8 MiB parts, 8 threads, no extra checksums): the ceiling a client can reach.
+* save, raw boto3 objects: the same bytes as 8 MiB objects, 8 PUTs in flight per rank:
+  the ceiling for our own object layout (chunk-sized objects), not an issue target.
+* save, ours full: ``Checkpointer.save`` (stage to /dev/shm, chunk, hash, upload, commit).
+* save, s3torchconnector: ``dcp.save`` with its ``S3StorageWriter`` (defaults).
+* save, ours incremental: after changing 10% of the tensors (by bytes) in place.
+* load at the same world size (2) and resharded (2 -> 1, 2 -> 3): ``Checkpointer.load``
+  vs ``dcp.load`` with s3torchconnector's ``S3StorageReader`` (defaults: DCP-optimized
+  reader). Every load is checked against per-tensor checksums taken at save time.
+
+Each phase is timed from a barrier to the slowest rank's finish. Throughput is the
+state's tensor bytes over that time (MB = 10^6 bytes). Bytes uploaded by ours come
+from the engine's counters (SaveResult), by s3torchconnector from listing what it
+wrote. Bytes fetched by ours are the engine's counters (LoadResult.bytes_fetched,
+summed over ranks); for s3torchconnector they are counted from its load plan: the
+saved items each read item touches, which DCP's FileSystemReader reads whole (its
+DCP-optimized reader may coalesce neighbouring ranges; the count ignores that).
+
+Ratios are ours / anchor, named after what is divided (``save_throughput_ratio_vs_boto3``
+> 1 means ours is faster); ``load_bytes_fetched_ratio_*`` < 1 means ours fetched less.
+
+Usage:
+
+    source hack/env.sh
+    pip install --no-deps s3torchconnector==1.5.0 s3torchconnectorclient==1.5.0 tenacity==9.2.1
+    python bench/bench_checkpoint.py --json /tmp/bench.json           # 1 GiB, a few minutes
+    python bench/bench_checkpoint.py --quick --json /tmp/quick.json   # 32 MiB smoke run
+
+s3torchconnector is optional (not a project dependency): without it its rows are
+skipped with a message. ``--no-deps`` keeps it from replacing our torch; its wheel
+does not declare ``tenacity``, which it imports, hence the third package.
+Without ``--endpoint-url`` a moto server is started on loopback for the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+MIB = 1 << 20
+COLS = 4096  # fp32 columns per tensor row: 16 KiB rows
+SAVE_WORLD = 2
+REGION = "us-east-1"
+PART_SIZE = 8 * MIB
+THREADS = 8
+CHANGED_FRACTION = 0.10
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_REGION": REGION,
+}
+TARGETS: dict[str, tuple[str, float, str]] = {
+    # name: (comparison, floor from the issue, where DESIGN.md aims)
+    "save_throughput_ratio_vs_boto3": (">=", 0.8, ">= 0.9"),
+    "save_throughput_ratio_vs_s3torchconnector": (">=", 1.0, ""),
+    "load_throughput_ratio_vs_s3torchconnector_2to1": (">=", 1.0, ">= 2.0"),
+    "load_throughput_ratio_vs_s3torchconnector_2to3": (">=", 1.0, ">= 2.0"),
+    "incremental_uploaded_fraction": ("<=", 0.12, "<= changed + 0.02"),
+}
+
+
+# --------------------------------------------------------------------------- the state
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StateShape:
+    tensors: int
+    rows: int  # per tensor; odd sizes give uneven shards at 2 and 3 ranks
+
+    @classmethod
+    def for_total(cls, total_bytes: int, tensors: int) -> StateShape:
+        rows = math.ceil(total_bytes / (tensors * COLS * 4))
+        return cls(tensors, rows | 1)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.tensors * self.rows * COLS * 4
+
+    @property
+    def changed(self) -> list[int]:
+        """Indices of the tensors the incremental phase changes (10% of the bytes)."""
+        return list(range(max(1, round(self.tensors * CHANGED_FRACTION))))
+
+
+def build_model(shape: StateShape) -> Any:
+    """An FSDP2-sharded module of ``shape.tensors`` parameters, allocated shard by shard."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(shape.rows, COLS))
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[Holder() for _ in range(shape.tensors)])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    fill(model, None)
+    return model
+
+
+def local_shards(model: Any) -> list[Any]:
+    return [p.to_local() for p in model.parameters()]
+
+
+def fill(model: Any, seed: int | None) -> None:
+    """Random values (seeded per tensor and rank) or zeros, in place."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for i, t in enumerate(local_shards(model)):
+            if seed is None:
+                t.zero_()
+            else:
+                gen = torch.Generator().manual_seed(seed * 1000 + i * 16 + dist.get_rank())
+                t.normal_(generator=gen)
+
+
+def change_tenth(model: Any, shape: StateShape) -> None:
+    import torch
+
+    with torch.no_grad():
+        shards = local_shards(model)
+        for i in shape.changed:
+            shards[i].add_(1.0)
+
+
+def checksums(model: Any) -> list[float]:
+    """Per-tensor sums over every rank (float64): equal whatever the sharding."""
+    import torch
+    import torch.distributed as dist
+
+    sums = torch.tensor([t.double().sum().item() for t in local_shards(model)], dtype=torch.float64)
+    dist.all_reduce(sums)
+    return sums.tolist()
+
+
+def check_loaded(model: Any, want: list[float], what: str) -> None:
+    got = checksums(model)
+    bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not math.isclose(g, w)]
+    if bad:
+        raise AssertionError(f"{what}: tensors {bad} differ from what was saved")
+
+
+# --------------------------------------------------------------------------- rank helpers
+
+
+def max_over_ranks(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def sum_over_ranks(value: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """fn on every rank; seconds from a common barrier to the slowest rank's finish."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    started = time.perf_counter()
+    result = fn()
+    return max_over_ranks(time.perf_counter() - started), result
+
+
+class ConcatReader(io.RawIOBase):
+    """A read-only stream over several buffers, without copying them into one."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        super().__init__()
+        self.views = [v.cast("B") for v in views if v.nbytes]
+        self.index = self.offset = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = 0
+        while n < len(out) and self.index < len(self.views):
+            view = self.views[self.index]
+            take = min(len(out) - n, len(view) - self.offset)
+            out[n : n + take] = view[self.offset : self.offset + take]
+            n += take
+            self.offset += take
+            if self.offset == len(view):
+                self.index, self.offset = self.index + 1, 0
+        return n
+
+
+def boto3_client(max_connections: int = THREADS * 2) -> Any:
+    import boto3
+    import botocore.config
+
+    config = botocore.config.Config(
+        s3={"addressing_style": "path"},
+        max_pool_connections=max_connections,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    return boto3.client("s3", config=config, region_name=REGION)
+
+
+def s3tc_client_config() -> Any:
+    from s3torchconnector import S3ClientConfig
+
+    return S3ClientConfig(force_path_style=True)
+
+
+def make_counting_reader(path: str) -> Any:
+    """s3torchconnector's S3StorageReader, recording the saved bytes its plan reads."""
+    from s3torchconnector.dcp import S3StorageReader
+
+    class CountingReader(S3StorageReader):  # type: ignore[misc]
+        planned_bytes = 0
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            plan = super().prepare_local_plan(plan)
+            self.planned_bytes = sum(self.storage_data[i.storage_index].length for i in plan.items)
+            return plan
+
+    return CountingReader(REGION, path, s3client_config=s3tc_client_config())
+
+
+# --------------------------------------------------------------------------- rank phases
+
+
+def phase_boto3(model: Any, bucket: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from boto3.s3.transfer import TransferConfig
+
+    client = boto3_client()
+    transfer = TransferConfig(
+        multipart_threshold=PART_SIZE,
+        multipart_chunksize=PART_SIZE,
+        max_concurrency=THREADS,
+        use_threads=True,
+    )
+    views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in local_shards(model)]
+    key = f"raw/rank-{dist.get_rank()}.bin"
+    seconds, _ = timed(
+        lambda: client.upload_fileobj(ConcatReader(views), bucket, key, Config=transfer)
+    )
+    uploaded = sum_over_ranks(client.head_object(Bucket=bucket, Key=key)["ContentLength"])
+    client.delete_object(Bucket=bucket, Key=key)  # keep the in-memory server small
+    return {"seconds": seconds, "bytes_uploaded": uploaded}
+
+
+def piece_views(model: Any, size: int) -> list[memoryview]:
+    """This rank's shard bytes cut into pieces of at most ``size`` (per tensor)."""
+    import torch
+
+    views = []
+    for t in local_shards(model):
+        view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        views += [view[i : i + size] for i in range(0, len(view), size)]
+    return views
+
+
+def phase_boto3_objects(model: Any, bucket: str) -> dict[str, Any]:
+    """The same bytes as 8 MiB objects, 8 PUTs in flight per rank: our object layout, raw."""
+    import concurrent.futures as cf
+
+    import torch.distributed as dist
+
+    client = boto3_client()
+    views = piece_views(model, PART_SIZE)
+    keys = [f"raw-objects/rank-{dist.get_rank()}/{i:06d}" for i in range(len(views))]
+
+    def put_all() -> None:
+        with cf.ThreadPoolExecutor(THREADS) as pool:
+            list(
+                pool.map(
+                    lambda kv: client.put_object(Bucket=bucket, Key=kv[0], Body=bytes(kv[1])),
+                    zip(keys, views, strict=True),
+                )
+            )
+
+    seconds, _ = timed(put_all)
+    uploaded = sum_over_ranks(sum(len(v) for v in views))
+    for i in range(0, len(keys), 1000):
+        batch = [{"Key": k} for k in keys[i : i + 1000]]
+        client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+    return {"seconds": seconds, "bytes_uploaded": uploaded}
+
+
+_CHECKPOINTERS: dict[str, Any] = {}
+
+
+def checkpointer(uri: str) -> Any:
+    """One Checkpointer per URI and process (an async engine allows only one open)."""
+    from trainer_sidecar import CheckpointConfig, Checkpointer
+
+    if uri not in _CHECKPOINTERS:
+        config = CheckpointConfig(uri=uri, mode="incremental", full_every=100, keep_last=0)
+        _CHECKPOINTERS[uri] = Checkpointer(config)
+    return _CHECKPOINTERS[uri]
+
+
+def close_checkpointers() -> None:
+    for ckpt in _CHECKPOINTERS.values():
+        if hasattr(ckpt, "close"):
+            ckpt.close()
+    _CHECKPOINTERS.clear()
+
+
+def phase_ours_save(model: Any, uri: str, step: int) -> dict[str, Any]:
+    """Save and wait for the commit. Works with a synchronous engine (save returns the
+    SaveResult) and an asynchronous one (save returns a pending save; ``result()`` waits)."""
+    ckpt = checkpointer(uri)
+    returned: list[float] = []
+
+    def save() -> Any:
+        started = time.perf_counter()
+        pending = ckpt.save(step, model=model, extra={"step": step})
+        returned.append(time.perf_counter() - started)
+        return pending.result() if hasattr(pending, "result") else pending
+
+    seconds, result = timed(save)
+    return {
+        "seconds": seconds,
+        "mode": result.mode,
+        "bytes_uploaded": result.uploaded_bytes,
+        "logical_bytes": result.logical_bytes,
+        "stage_seconds": max_over_ranks(result.stage_seconds),
+        "returned_seconds": max_over_ranks(returned[0]),
+    }
+
+
+def phase_s3tc_save(model: Any, bucket: str, prefix: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from s3torchconnector.dcp import S3StorageWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    writer = S3StorageWriter(
+        REGION, f"s3://{bucket}/{prefix}", s3client_config=s3tc_client_config()
+    )
+    seconds, _ = timed(
+        lambda: dcp.save({"model": get_model_state_dict(model)}, storage_writer=writer)
+    )
+    uploaded = 0
+    if dist.get_rank() == 0:
+        pages = (
+            boto3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        )
+        uploaded = sum(o["Size"] for page in pages for o in page.get("Contents", []))
+    return {"seconds": seconds, "bytes_uploaded": sum_over_ranks(uploaded)}
+
+
+def phase_ours_load(model: Any, uri: str, want: list[float]) -> dict[str, Any]:
+    fill(model, None)
+    ckpt = checkpointer(uri)
+    seconds, result = timed(lambda: ckpt.load(model=model))
+    check_loaded(model, want, "ours")
+    return {"seconds": seconds, "bytes_fetched": sum_over_ranks(result.bytes_fetched)}
+
+
+def phase_s3tc_load(model: Any, bucket: str, prefix: str, want: list[float]) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    fill(model, None)
+    reader = make_counting_reader(f"s3://{bucket}/{prefix}")
+
+    def load() -> None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, storage_reader=reader)
+        set_model_state_dict(model, state["model"])
+
+    seconds, _ = timed(load)
+    check_loaded(model, want, "s3torchconnector")
+    return {"seconds": seconds, "bytes_fetched": sum_over_ranks(reader.planned_bytes)}
+
+
+def run_save_world(args: dict[str, Any]) -> dict[str, Any]:
+    """At the save world size: every save, then the loads at the same world size."""
+    shape = StateShape(**args["shape"])
+    uri, bucket, s3tc = args["uri"], args["bucket"], args["s3tc"]
+    model = build_model(shape)
+    fill(model, seed=1)
+    before = checksums(model)
+    out: dict[str, Any] = {"save_boto3": phase_boto3(model, bucket)}
+    out["save_boto3_objects"] = phase_boto3_objects(model, bucket)
+    out["save_ours_full"] = phase_ours_save(model, uri, step=1)
+    if s3tc:
+        out["save_s3torchconnector"] = phase_s3tc_save(model, bucket, "s3tc")
+    change_tenth(model, shape)
+    after = checksums(model)
+    out["save_ours_incremental"] = phase_ours_save(model, uri, step=2)
+    world = SAVE_WORLD
+    out[f"load_ours_w{world}"] = phase_ours_load(model, uri, after)
+    if s3tc:
+        out[f"load_s3torchconnector_w{world}"] = phase_s3tc_load(model, bucket, "s3tc", before)
+    return {"phases": out, "checksums": {"before": before, "after": after}}
+
+
+def run_load_world(args: dict[str, Any]) -> dict[str, Any]:
+    """At another world size: our load and s3torchconnector's, resharded by DCP."""
+    import torch.distributed as dist
+
+    shape = StateShape(**args["shape"])
+    model = build_model(shape)
+    world = dist.get_world_size()
+    out = {f"load_ours_w{world}": phase_ours_load(model, args["uri"], args["after"])}
+    if args["s3tc"]:
+        out[f"load_s3torchconnector_w{world}"] = phase_s3tc_load(
+            model, args["bucket"], "s3tc", args["before"]
+        )
+    return {"phases": out}
+
+
+def engine_info() -> dict[str, Any]:
+    """Which trainer_sidecar was measured: its directory, and its git commit if any."""
+    import trainer_sidecar
+
+    path = os.path.dirname(os.path.abspath(trainer_sidecar.__file__))
+
+    def git(*cmd: str) -> str | None:
+        proc = subprocess.run(["git", "-C", path, *cmd], capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--", ".")
+    return {
+        "path": path,
+        "commit": git("rev-parse", "HEAD"),
+        "uncommitted_changes": bool(status) if status is not None else None,
+    }
+
+
+def worker_main(phase: str, args_path: str) -> None:
+    import torch.distributed as dist
+
+    args = json.loads(open(args_path).read())
+    dist.init_process_group("gloo")
+    try:
+        try:
+            result = {"save": run_save_world, "load": run_load_world}[phase](args)
+        finally:
+            close_checkpointers()
+        if dist.get_rank() == 0:
+            result["engine"] = engine_info()
+            with open(args["out"], "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def s3_server(endpoint_url: str | None) -> Iterator[tuple[str, str]]:
+    """(endpoint, description): the given server, or a moto server on loopback."""
+    if endpoint_url:
+        yield endpoint_url, f"given endpoint {endpoint_url}"
+        return
+    import moto
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with code {proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("moto server did not start in 60 s") from None
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}", f"moto {moto.__version__} server on loopback"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def s3tc_status() -> str | None:
+    """None when s3torchconnector's DCP classes import; otherwise why not."""
+    try:
+        import s3torchconnector.dcp  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: skip its rows
+        return (
+            f"s3torchconnector not importable ({type(exc).__name__}: {exc}); its rows are "
+            "skipped. Install: pip install --no-deps s3torchconnector s3torchconnectorclient "
+            "tenacity"
+        )
+    return None
+
+
+def run_world(world: int, phase: str, args: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """Run one phase on ``world`` rank processes; rank 0's result."""
+    with tempfile.TemporaryDirectory(prefix="ctj-bench-") as tmp:
+        args = dict(args, out=os.path.join(tmp, "out.json"))
+        args_path = os.path.join(tmp, "args.json")
+        with open(args_path, "w") as f:
+            json.dump(args, f)
+        port = str(free_port())
+        procs = []
+        for rank in range(world):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+            rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", phase, args_path]
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
+        outputs = [p.communicate()[0] for p in procs]
+        failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            tails = "\n".join(f"--- rank {r} ---\n{outputs[r][-3000:]}" for r in failed)
+            raise RuntimeError(f"{phase} at world size {world} failed:\n{tails}")
+        with open(args["out"]) as f:
+            return json.load(f)  # type: ignore[no-any-return]
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    info: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "mem_gib": round(mem / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    try:
+        from importlib.metadata import version
+
+        info["s3torchconnector"] = version("s3torchconnector")
+    except Exception:  # noqa: BLE001
+        info["s3torchconnector"] = None
+    return info
+
+
+def add_rates(phases: dict[str, dict[str, Any]], total: int) -> None:
+    for p in phases.values():
+        p["mb_per_s"] = total / p["seconds"] / 1e6
+    incremental = phases["save_ours_incremental"]
+    incremental["uploaded_fraction"] = incremental["bytes_uploaded"] / total
+
+
+def ratios(phases: dict[str, dict[str, Any]], load_worlds: list[int]) -> dict[str, float]:
+    def speed(ours: str, anchor: str) -> float:
+        return phases[ours]["mb_per_s"] / phases[anchor]["mb_per_s"]
+
+    out = {
+        "incremental_uploaded_fraction": phases["save_ours_incremental"]["uploaded_fraction"],
+        "save_throughput_ratio_vs_boto3": speed("save_ours_full", "save_boto3"),
+        "save_throughput_ratio_vs_boto3_objects": speed("save_ours_full", "save_boto3_objects"),
+    }
+    if "save_s3torchconnector" not in phases:
+        return out
+    out["save_throughput_ratio_vs_s3torchconnector"] = speed(
+        "save_ours_full", "save_s3torchconnector"
+    )
+    out["s3torchconnector_save_throughput_ratio_vs_boto3"] = speed(
+        "save_s3torchconnector", "save_boto3"
+    )
+    for w in [SAVE_WORLD, *load_worlds]:
+        tag = f"{SAVE_WORLD}to{w}"
+        ours, anchor = phases[f"load_ours_w{w}"], phases[f"load_s3torchconnector_w{w}"]
+        out[f"load_throughput_ratio_vs_s3torchconnector_{tag}"] = speed(
+            f"load_ours_w{w}", f"load_s3torchconnector_w{w}"
+        )
+        out[f"load_bytes_fetched_ratio_vs_s3torchconnector_{tag}"] = (
+            ours["bytes_fetched"] / anchor["bytes_fetched"]
+        )
+    return out
+
+
+def judge(values: dict[str, float]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, (op, floor, aim) in TARGETS.items():
+        if name in values:
+            v = values[name]
+            met = v >= floor if op == ">=" else v <= floor
+            out[name] = {"value": v, "target": f"{op} {floor}", "aim": aim, "met": met}
+    return out
+
+
+ROW_LABELS = {
+    "save_boto3": "save  raw boto3 multipart",
+    "save_boto3_objects": "save  raw boto3, 8 MiB objects",
+    "save_ours_full": "save  ours, full",
+    "save_s3torchconnector": "save  s3torchconnector",
+    "save_ours_incremental": "save  ours, incremental (10% changed)",
+}
+
+
+def row_label(name: str) -> str:
+    if name in ROW_LABELS:
+        return ROW_LABELS[name]
+    who, world = name.removeprefix("load_").rsplit("_w", 1)
+    return f"load  {who}, {SAVE_WORLD} -> {world} ranks"
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [
+        f"{'phase':<44}{'seconds':>9}{'MB/s':>9}{'MiB up':>10}{'MiB down':>10}",
+        "-" * 82,
+    ]
+    for name, p in report["phases"].items():
+        up = f"{p['bytes_uploaded'] / MIB:.1f}" if "bytes_uploaded" in p else ""
+        down = f"{p['bytes_fetched'] / MIB:.1f}" if "bytes_fetched" in p else ""
+        lines.append(
+            f"{row_label(name):<44}{p['seconds']:>9.2f}{p['mb_per_s']:>9.1f}{up:>10}{down:>10}"
+        )
+    lines += ["", f"{'ratio (ours / anchor)':<56}{'value':>8}  target    met"]
+    for name, v in report["ratios"].items():
+        t = report["targets"].get(name)
+        mark = f"  {t['target']:<8}  {'yes' if t['met'] else 'NO'}" if t else ""
+        lines.append(f"{name:<56}{v:>8.3f}{mark}")
+    if report.get("skipped"):
+        lines += ["", report["skipped"]]
+    return "\n".join(lines)
+
+
+def project_env(endpoint: str) -> dict[str, str]:
+    """The ranks' environment: test credentials, the endpoint, this checkout importable."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [*filter(None, [os.environ.get("PYTHONPATH")]), root]  # a given engine wins
+    return dict(
+        os.environ, **CREDENTIALS, AWS_ENDPOINT_URL=endpoint, PYTHONPATH=os.pathsep.join(paths)
+    )
+
+
+def create_bucket(endpoint: str) -> str:
+    import boto3
+
+    bucket = f"ctj-bench-{uuid.uuid4().hex[:10]}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=REGION,
+        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+    )
+    client.create_bucket(Bucket=bucket)
+    return bucket
+
+
+def measure(opts: argparse.Namespace, shape: StateShape, s3tc: bool) -> dict[str, Any]:
+    """Every phase, at every world size: phases, server and engine measured."""
+    with s3_server(opts.endpoint_url) as (endpoint, server):
+        env = project_env(endpoint)
+        bucket = create_bucket(endpoint)
+        args = {
+            "shape": dataclasses.asdict(shape),
+            "uri": f"s3://{bucket}/ours",
+            "bucket": bucket,
+            "s3tc": s3tc,
+        }
+        log(
+            f"state: {shape.tensors} x ({shape.rows} x {COLS}) fp32 = "
+            f"{shape.total_bytes / MIB:.0f} MiB over {SAVE_WORLD} ranks; server: {server}"
+        )
+        saved = run_world(SAVE_WORLD, "save", args, env)
+        phases = saved["phases"]
+        for world in opts.load_worlds:
+            log(f"loading at {world} ranks")
+            loaded = run_world(world, "load", dict(args, **saved["checksums"]), env)
+            phases.update(loaded["phases"])
+    return {"phases": phases, "server": server, "engine": saved["engine"]}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run(opts: argparse.Namespace) -> dict[str, Any]:
+    shape = StateShape.for_total(opts.total_mib * MIB, opts.tensors)
+    if opts.no_s3tc:
+        skipped: str | None = "s3torchconnector rows skipped (--no-s3torchconnector)"
+    else:
+        skipped = s3tc_status()
+    if skipped:
+        log(skipped)
+    measured = measure(opts, shape, s3tc=skipped is None)
+    phases = measured["phases"]
+    add_rates(phases, shape.total_bytes)
+    values = ratios(phases, opts.load_worlds)
+    return {
+        "command": " ".join(["python", "bench/bench_checkpoint.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": {
+            "total_bytes": shape.total_bytes,
+            "tensors": shape.tensors,
+            "tensor_shape": [shape.rows, COLS],
+            "changed_fraction": len(shape.changed) / shape.tensors,
+            "save_world_size": SAVE_WORLD,
+            "load_world_sizes": [SAVE_WORLD, *opts.load_worlds],
+            "boto3": {"part_size": PART_SIZE, "threads": THREADS},
+            "quick": opts.quick,
+        },
+        "server": measured["server"],
+        "engine": measured["engine"],
+        "machine": machine(),
+        "skipped": skipped,
+        "phases": phases,
+        "ratios": values,
+        "targets": judge(values),
+    }
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="write the figures and ratios here")
+    parser.add_argument("--quick", action="store_true", help="32 MiB state: a smoke run")
+    parser.add_argument("--total-mib", type=int, default=1024, help="state size (default 1024)")
+    parser.add_argument("--tensors", type=int, default=20, help="tensors in the state")
+    parser.add_argument(
+        "--load-worlds",
+        default="1,3",
+        help="world sizes to load the 2-rank checkpoints at, besides 2 (default 1,3)",
+    )
+    parser.add_argument("--endpoint-url", help="use this S3 server instead of starting moto")
+    parser.add_argument(
+        "--no-s3torchconnector", dest="no_s3tc", action="store_true", help="skip its rows"
+    )
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        opts.total_mib = 32
+    opts.load_worlds = [int(w) for w in opts.load_worlds.split(",") if w.strip()]
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        worker_main(argv[1], argv[2])
+        return 0
+    opts = parse_args(argv)
+    report = run(opts)
+    print(table(report))
+    if not all(t["met"] for t in report["targets"].values()):
+        log("some targets are not met (see the table)")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
