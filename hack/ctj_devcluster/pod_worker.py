@@ -240,8 +240,10 @@ class PodWorker:
             "argv": argv,
             "env": env,
         }
-        spec_path = self.dir / f"{c.name}.exec.json"
-        spec_path.write_text(json.dumps(exec_spec))
+        spec_path = self.dir / f"{c.name}.exec.json"  # holds secrets: owner-only
+        fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(exec_spec, f)
         log_path = self.dir / f"{c.name}.log"
         with open(log_path, "ab") as out:
             c.proc = subprocess.Popen(
