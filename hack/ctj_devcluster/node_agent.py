@@ -345,6 +345,42 @@ class NodeAgent:
                 )
             return False
 
+    def record_event(self, pod: Obj, kind: str, reason: str, message: str) -> None:
+        """A core/v1 Event about a pod from this node's "kubelet", as `kubectl describe`
+        shows them. Best effort: an event that cannot be written is only logged."""
+        meta = pod["metadata"]
+        t = now_rfc3339()
+        try:
+            self.core.create_namespaced_event(
+                meta["namespace"],
+                {
+                    "metadata": {
+                        "generateName": f"{meta['name']}.",
+                        "namespace": meta["namespace"],
+                    },
+                    "involvedObject": {
+                        "kind": "Pod",
+                        "apiVersion": "v1",
+                        "name": meta["name"],
+                        "namespace": meta["namespace"],
+                        "uid": meta["uid"],
+                    },
+                    "type": kind,
+                    "reason": reason,
+                    "message": message,
+                    "count": 1,
+                    "firstTimestamp": t,
+                    "lastTimestamp": t,
+                    "source": {"component": "kubelet", "host": self.config.name},
+                    "reportingComponent": "kubelet",
+                    "reportingInstance": self.config.name,
+                },
+            )
+        except Exception as exc:
+            log.info(
+                "event %s for %s/%s not recorded: %r", reason, meta["namespace"], meta["name"], exc
+            )
+
     # --- what workers read through the node's credentials --------------------------------
     def _read(self, fn: Any, namespace: str, name: str) -> Obj | None:
         try:

@@ -230,6 +230,7 @@ class PodWorker:
         except ConfigError as exc:
             c.waiting_reason, c.waiting_message = "CreateContainerConfigError", str(exc)
             c.next_start = time.monotonic() + 2.0
+            self.agent.record_event(self.pod, "Warning", "Failed", f"Error: {exc}")
             return
         exec_spec = {
             "agent_pid": os.getpid(),
@@ -256,6 +257,7 @@ class PodWorker:
             )
         c.started_at, c.terminated, c.waiting_message = now_rfc3339(), None, ""
         log.info("pod %s: started container %s (pid %d)", self.key, c.name, c.proc.pid)
+        self.agent.record_event(self.pod, "Normal", "Started", f"Started container {c.name}")
 
     def _reap(self, c: Container) -> None:
         if c.proc is None or c.terminated is not None:
@@ -290,6 +292,9 @@ class PodWorker:
         c.last_terminated, c.restart_count = c.terminated, c.restart_count + 1
         c.proc, c.terminated = None, None
         c.waiting_reason = "CrashLoopBackOff"
+        self.agent.record_event(
+            self.pod, "Warning", "BackOff", f"Back-off {backoff:.0f}s restarting container {c.name}"
+        )
 
     def _base_env(self) -> dict[str, str]:
         cfg = self.agent.config
@@ -326,6 +331,7 @@ class PodWorker:
             if c.proc is not None and c.proc.poll() is None
         ]
         for c in running:
+            self.agent.record_event(self.pod, "Normal", "Killing", f"Stopping container {c.name}")
             _signal_group(c.proc, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for c in running:

@@ -180,6 +180,10 @@ def test_containers_share_empty_dir_env_and_service_account(
     assert exit_codes(done) == {"writer": 0, "reader": 0}
     restarts = {s["name"]: s["restartCount"] for s in done["status"]["containerStatuses"]}
     assert restarts == {"writer": 0, "reader": 1}
+    events = cluster.kubectl(
+        "get", "events", "-n", namespace, "--field-selector=involvedObject.name=shared"
+    ).stdout
+    assert "Started" in events and "BackOff" in events, events
     reader = next(s for s in done["status"]["containerStatuses"] if s["name"] == "reader")
     assert reader["lastState"]["terminated"]["exitCode"] == 1
     assert "msg hello-shared" in log
