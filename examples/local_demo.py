@@ -2,8 +2,9 @@
 
 What it shows, on CPU with nothing but this repo's environment:
   1. an embedded S3 server starts on loopback (moto's server mode);
-  2. examples/train_fsdp.py trains an FSDP2 model on 2 ranks, committing a
-     checkpoint every 10 steps (incremental deltas);
+  2. examples/train_fsdp.py trains an FSDP2 model on 2 ranks, saving every 10
+     steps: a save blocks training only while the state is copied to host
+     memory; upload and commit (incremental deltas) run in the background;
   3. rank 1 is killed with SIGKILL mid-run; the gang is torn down, as the
      operator does when a node is lost;
   4. the job restarts on 3 ranks; they load the last committed checkpoint,
@@ -86,7 +87,8 @@ def main() -> int:
     os.environ.update(s3.env())  # this process reads the store too
     env = dict(os.environ, **s3.env(), CTJ_CHECKPOINT_URI=uri, CTJ_CHECKPOINT_MODE="incremental",
                CTJ_TOTAL_STEPS="60", CTJ_SAVE_EVERY="10", CTJ_STEP_DELAY_S="0.05")
-    commits: dict[int, float] = {}
+    commits: dict[int, float] = {}  # committed step -> eval loss when it was saved
+    staged_loss: dict[int, float] = {}
     try:
         say(f"attempt 1: 2 ranks, checkpoints to {uri} every 10 steps")
         gang = Gang(2, env)
@@ -96,11 +98,15 @@ def main() -> int:
             ev = gang.next_event(deadline)
             if ev is None:
                 raise SystemExit("demo: attempt 1 made no progress")
-            if ev["event"] == "committed":
-                commits[ev["step"]] = ev["eval_loss"]
+            if ev["event"] == "staged":
+                staged_loss[ev["step"]] = ev["eval_loss"]
+                say(f"  saved step {ev['step']}: training blocked {ev['stall_seconds']}s "
+                    f"(eval loss {ev['eval_loss']:.5f}); uploading in the background")
+            elif ev["event"] == "committed":
+                commits[ev["step"]] = staged_loss[ev["step"]]
                 say(f"  committed step {ev['step']} ({ev['mode']}, "
                     f"{ev['uploaded_bytes']:,} of {ev['logical_bytes']:,} bytes uploaded, "
-                    f"{ev['seconds']}s) eval loss {ev['eval_loss']:.5f}")
+                    f"{ev['seconds']}s after the save)")
             elif ev["event"] == "step" and ev["step"] % 5 == 0:
                 say(f"  step {ev['step']} loss {ev['loss']:.5f}")
             if ev["event"] == "step" and ev["step"] >= 25 and 20 in commits:
@@ -132,6 +138,8 @@ def main() -> int:
             elif ev["event"] == "committed":
                 say(f"  committed step {ev['step']} ({ev['mode']}, "
                     f"{ev['uploaded_bytes']:,} bytes uploaded)")
+            elif ev["event"] == "staged":
+                say(f"  saved step {ev['step']}: training blocked {ev['stall_seconds']}s")
             elif ev["event"] == "step" and ev["step"] % 10 == 5:
                 say(f"  step {ev['step']} loss {ev['loss']:.5f} (world size {ev['world_size']})")
             elif ev["event"] == "done":

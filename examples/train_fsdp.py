@@ -6,7 +6,9 @@ CTJ_CHECKPOINT_URI. It trains an FSDP2-sharded MLP on a synthetic regression
 task on CPU (gloo), saves every CTJ_SAVE_EVERY steps, and on start loads the
 latest committed checkpoint, resharded to the current world size.
 
-The ctj part is four lines: build a Checkpointer, load, save.
+The ctj part is a few lines: build a Checkpointer, load, save. A save returns
+once the state is staged; the upload and commit happen in the background (a
+thread here, the sidecar container in a pod) while training goes on.
 Each line it prints is one JSON event, for humans and for tests.
 """
 
@@ -79,6 +81,7 @@ def main() -> None:
     else:
         log("fresh_start", world_size=world)
 
+    pending: list = []  # saves staged, not yet seen committed
     for step in range(start + 1, total_steps + 1):
         x, y = batch(step, dist.get_rank())
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -87,13 +90,23 @@ def main() -> None:
         opt.step()
         log("step", step=step, loss=round(float(loss), 5), world_size=world)
         if step % save_every == 0:
-            result = ckpt.save(step, model=model, optimizer=opt, extra={"step": step})
-            log("committed", step=step, mode=result.mode, eval_loss=eval_loss(model),
+            pending.append(ckpt.save(step, model=model, optimizer=opt, extra={"step": step}))
+            log("staged", step=step, eval_loss=eval_loss(model),
+                stall_seconds=round(pending[-1].stage_seconds, 4))
+        while pending and pending[0].done():
+            result = pending.pop(0).result()
+            log("committed", step=result.step, mode=result.mode,
                 uploaded_bytes=result.uploaded_bytes, logical_bytes=result.logical_bytes,
                 seconds=round(result.total_seconds, 3))
         if step_delay:
             time.sleep(step_delay)
+    for p in pending:
+        result = p.result()
+        log("committed", step=result.step, mode=result.mode,
+            uploaded_bytes=result.uploaded_bytes, logical_bytes=result.logical_bytes,
+            seconds=round(result.total_seconds, 3))
     log("done", step=total_steps, eval_loss=eval_loss(model))
+    ckpt.close()
     dist.destroy_process_group()
 
 

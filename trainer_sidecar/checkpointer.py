@@ -3,24 +3,30 @@
     ckpt = Checkpointer(CheckpointConfig(uri="s3://bucket/jobs/demo"))
     restored = ckpt.load(model=model, optimizer=opt, extra=extra)   # None on a fresh start
     ...
-    ckpt.save(step, model=model, optimizer=opt, extra={"step": step, "data_pos": pos})
+    pending = ckpt.save(step, model=model, optimizer=opt, extra={"step": step})
+    # training may go on (and touch the parameters) as soon as save() returns
+    pending.result()   # optional: block until that checkpoint is committed
 
-Every rank calls both (they are collective). State goes through DCP's own
-state_dict helpers and planners, so DDP (replicated) and FSDP2/DTensor
-(sharded) models and their optimizer state load at any world size.
+Every rank calls save and load (they are collective). State goes through
+DCP's own state_dict helpers and planners, so DDP (replicated) and
+FSDP2/DTensor (sharded) models and their optimizer state load at any world size.
+
+``save`` returns when the state is copied into this rank's staging slot (one
+copy into reused, memory-backed pages): from then on the parameters may
+change. A persister (a thread here, or the sidecar process when
+``config.sidecar``) uploads the slot and rank 0's commits the manifest.
 
 ``extra`` is a dict of plain values saved once (replicated: rank 0's values win
 DCP's deduplication) and loaded into every rank.
-
-A save here runs in the caller's process: stage to a local directory, upload
-this rank's part, and rank 0 commits once every rank's part is stored.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
-import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,16 +36,19 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from . import __version__, collectives, repository
+from . import __version__, collectives, repository, staging
 from .chunk_reader import ChunkReader
-from .config import CheckpointConfig
-from .dcp_storage import ChunkedStorageReader, StagingWriter, read_items
-from .errors import CheckpointError, CorruptCheckpointError
-from .manifest import METADATA_FILE, Manifest, rank_file_name
+from .chunking import Span
+from .config import CheckpointConfig, job_staging_dir
+from .dcp_storage import ChunkedStorageReader
+from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, ObjectNotFound
+from .manifest import METADATA_FILE, manifest_key, rank_file_name
+from .metrics import CheckpointMetrics, serve
 from .objectstore import ObjectStore
-from .policy import plan_save
+from .persist import Persister
+from .policy import Committed, plan_save
+from .staging import StagingWriter
 from .store_s3 import S3Settings, open_store
-from .uploader import StagedFile, UploadSettings, upload_rank
 
 log = logging.getLogger("ctj.checkpoint")
 
@@ -51,8 +60,8 @@ class SaveResult:
     logical_bytes: int
     uploaded_bytes: int
     deduplicated_bytes: int
-    stage_seconds: float
-    total_seconds: float
+    stage_seconds: float  # how long save() blocked the training loop
+    total_seconds: float  # from save() to the commit being visible
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,6 +108,60 @@ def _explain_load_failure(exc: BaseException, step: int) -> CheckpointError:
     )
 
 
+_OPEN: set[tuple[Path, int]] = set()  # (staging dir, rank) with a live persister thread
+_OPEN_LOCK = threading.Lock()
+
+
+class PendingSave:
+    """A staged save. ``result()`` blocks until its checkpoint is committed."""
+
+    def __init__(self, owner: Checkpointer, step: int, started: float, stall: float) -> None:
+        self.owner = owner
+        self.step = step
+        self.stage_seconds = stall
+        self._started = started
+        self._result: SaveResult | None = None
+
+    def done(self) -> bool:
+        try:
+            self.owner.store.get(manifest_key(self.step), byte_range=(0, 1))
+            return True
+        except ObjectNotFound:
+            return False
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        if self._result is not None:
+            return self._result
+        limit = self.owner.config.commit_timeout_s * 2 if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        delay = 0.005
+        while True:
+            try:
+                manifest = repository.read_manifest(self.owner.store, self.step)
+                break
+            except NoCheckpointError:
+                failure = self.owner.persist_failure(self.step)
+                if failure:
+                    raise CheckpointError(f"save of step {self.step} failed: {failure}") from None
+                if time.monotonic() >= deadline:
+                    raise CheckpointError(
+                        f"step {self.step} was not committed within {limit:.0f}s "
+                        "(is the sidecar running? see its log)"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.2)
+        self._result = SaveResult(
+            step=self.step,
+            mode=manifest.mode,
+            logical_bytes=manifest.logical_bytes,
+            uploaded_bytes=manifest.uploaded_bytes,
+            deduplicated_bytes=manifest.deduplicated_bytes,
+            stage_seconds=self.stage_seconds,
+            total_seconds=time.monotonic() - self._started,
+        )
+        return self._result
+
+
 class Checkpointer:
     def __init__(
         self,
@@ -106,20 +169,77 @@ class Checkpointer:
         *,
         store: ObjectStore | None = None,
         process_group: Any = None,
+        metrics: CheckpointMetrics | None = None,
     ) -> None:
         self.config = config
         self.store: ObjectStore = store or open_store(
             config.uri, S3Settings.from_env(endpoint_url=config.endpoint_url, region=config.region)
         )
         self.group = process_group
-        self.upload_settings = UploadSettings(
-            chunk_size=config.chunk_size,
-            block_size=config.block_size,
-            parallelism=config.parallelism,
-            compression=config.compression,
+        self.rank = collectives.rank(process_group)
+        self.root = job_staging_dir(config)
+        self.metrics = metrics or CheckpointMetrics()
+        self._preempted = False
+        self._persister: Persister | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._server = (
+            serve(config.metrics_port, self.metrics) if config.metrics_port is not None else None
         )
 
     # -- save -------------------------------------------------------------------
+
+    def _start_persister(self) -> None:
+        """In-process mode: the thread that does a sidecar's job, started by the first save."""
+        if self.config.sidecar or self._thread is not None:
+            return
+        with _OPEN_LOCK:
+            if (self.root, self.rank) in _OPEN:
+                raise CheckpointError(
+                    f"another Checkpointer is already saving to {self.config.uri} in this "
+                    "process: close() it first, or reuse it"
+                )
+            _OPEN.add((self.root, self.rank))
+        self._persister = Persister(
+            self.store,
+            self.config,
+            root=self.root,
+            metrics=self.metrics,
+            rank=self.rank,
+            versions={"ctj": __version__, "torch": torch.__version__},
+        )
+        self._thread = threading.Thread(
+            target=self._persister.run,
+            args=(self._stop,),
+            kwargs={"grace_s": self.config.shutdown_grace_s},
+            name="ctj-persist",
+            daemon=True,
+        )
+        self._thread.start()
+        atexit.register(self.close)
+
+    def _latest(self, step: int) -> Committed | None:
+        """The latest commit before ``step``: from the persister's state file, else the store."""
+        known = staging.read_state(self.root, self.config.uri)
+        if known is not None and known.step < step:
+            return known
+        latest = repository.latest_manifest(self.store, before=step)
+        return Committed.of(latest) if latest else None
+
+    def _acquire_slot(self, world: int) -> Path | None:
+        slots = self.config.staging_slots
+        if self.config.busy_policy == "skip":
+            slot = staging.free_slot(self.root, self.rank, slots)
+            if any(s is None for s in collectives.gather_all(slot, self.group)):
+                return None
+            return slot
+        slot = staging.wait_free_slot(self.root, self.rank, slots, self.config.slot_wait_timeout_s)
+        if slot is None:
+            raise CheckpointError(
+                f"rank {self.rank}: no staging slot freed up within "
+                f"{self.config.slot_wait_timeout_s:.0f}s (is the sidecar running?)"
+            )
+        return slot
 
     def save(
         self,
@@ -128,101 +248,103 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: Any = None,
         extra: dict[str, Any] | None = None,
-    ) -> SaveResult:
-        """Save and commit ``step``; returns once the checkpoint is committed."""
+    ) -> PendingSave | None:
+        """Stage ``step`` and return; the state may change as soon as this returns.
+
+        Returns None when the save was skipped (``busy_policy="skip"`` and a
+        previous save still uploading).
+        """
         started = time.monotonic()
-        rank, world = collectives.rank(self.group), collectives.world_size(self.group)
+        self._start_persister()
+        world = collectives.world_size(self.group)
         plan = collectives.decided_by_rank0(
             lambda: plan_save(
                 step,
                 mode=self.config.mode,
                 full_every=self.config.full_every,
-                latest=repository.latest_manifest(self.store, before=step),
+                latest=self._latest(step),
             ),
             self.group,
         )
-        directory = Path(self.config.staging_dir) / f"step-{step:020d}-{rank}"
-        shutil.rmtree(directory, ignore_errors=True)
+        slot = self._acquire_slot(world)
+        if slot is None:
+            self.metrics.skipped.inc()
+            log.warning("skipped the save of step %d: the previous one is still uploading", step)
+            return None
+        writer = StagingWriter(slot)
         try:
             dcp.save(
                 build_state(model, optimizer, extra),
-                storage_writer=StagingWriter(directory),
+                storage_writer=writer,
                 process_group=self.group,
             )
-            staged = time.monotonic()
-            error = self._upload(step, rank, directory, plan.reference_step)
-            errors = [e for e in collectives.gather_all(error, self.group) if e]
-            if errors:
-                raise CheckpointError(f"save of step {step} failed: {errors[0]}")
-            manifest = collectives.decided_by_rank0(
-                lambda: self._commit(plan, world, staged - started), self.group
-            )
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-        total = time.monotonic() - started
-        log.info(
-            "committed step %d (%s): %d bytes, %d uploaded, %.2fs",
-            step,
-            manifest.mode,
-            manifest.logical_bytes,
-            manifest.uploaded_bytes,
-            total,
-        )
-        return SaveResult(
-            step=step,
-            mode=manifest.mode,
-            logical_bytes=manifest.logical_bytes,
-            uploaded_bytes=manifest.uploaded_bytes,
-            deduplicated_bytes=manifest.deduplicated_bytes,
-            stage_seconds=staged - started,
-            total_seconds=total,
-        )
-
-    def _upload(self, step: int, rank: int, directory: Path, reference: int | None) -> str | None:
-        """Upload this rank's staged files; an error message instead of raising (collective)."""
-        try:
-            files = [
-                StagedFile(
-                    rank_file_name(rank),
-                    str(directory / rank_file_name(rank)),
-                    read_items(directory, rank),
-                )
-            ]
-            if (directory / METADATA_FILE).exists():
-                files.append(StagedFile(METADATA_FILE, str(directory / METADATA_FILE), ()))
-            known = (
-                repository.read_manifest(self.store, reference).chunk_ids()
-                if reference is not None
-                else set()
-            )
-            upload_rank(
-                self.store,
+        except (Exception, CheckpointException) as exc:
+            self.metrics.failures.labels(stage="stage").inc()
+            raise CheckpointError(f"staging step {step} failed: {exc}") from exc
+        files: list[tuple[str, tuple[Span, ...]]] = [(rank_file_name(self.rank), writer.extents)]
+        if self.rank == 0:
+            files.append((METADATA_FILE, ()))
+        stall = time.monotonic() - started
+        staging.mark_ready(
+            slot,
+            staging.StagedCheckpoint(
                 step=step,
-                rank=rank,
-                files=files,
-                reference=known,
-                settings=self.upload_settings,
-            )
-            return None
-        except Exception as exc:  # noqa: BLE001 - reported to every rank
-            log.exception("rank %d failed to upload step %d", rank, step)
-            return f"rank {rank}: {exc}"
-
-    def _commit(self, plan: Any, world: int, stage_seconds: float) -> Manifest:
-        manifest = repository.commit(
-            self.store,
-            plan,
-            world_size=world,
-            block_size=self.config.block_size,
-            timings={"stage": stage_seconds},
-            versions={"ctj": __version__, "torch": torch.__version__},
+                rank=self.rank,
+                world_size=world,
+                plan=plan,
+                files=tuple(files),
+                staged_at=time.time(),
+                stage_seconds=stall,
+            ),
         )
-        if repository.apply_retention(self.store, self.config.keep_last):
-            try:
-                repository.collect_garbage(self.store, grace_s=self.config.gc_grace_s)
-            except Exception:  # noqa: BLE001 - gc is best effort; the commit stands
-                log.exception("garbage collection after step %d failed", plan.step)
-        return manifest
+        self.metrics.stall.observe(stall)
+        if self._persister is not None:
+            self._persister.wake.set()
+        return PendingSave(self, step, started, stall)
+
+    def persist_failure(self, step: int) -> str | None:
+        """Why the in-process persister could not persist ``step`` (None: no failure seen)."""
+        return self._persister.failures.get(step) if self._persister else None
+
+    def preemption_requested(self) -> bool:
+        """Collective: True on every rank once any rank got SIGTERM (see handle_sigterm)."""
+        flag = torch.tensor([1 if self._preempted else 0])
+        if collectives.active(self.group):
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def handle_sigterm(self) -> None:
+        """On SIGTERM, only note it: the loop saves at the next step boundary and exits."""
+
+        def note(signum: int, frame: Any) -> None:
+            self._preempted = True
+
+        signal.signal(signal.SIGTERM, note)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish persisting what is staged (within the shutdown grace), stop the thread.
+
+        In-process, this rank's staging buffers are freed once nothing is left staged;
+        with a sidecar they stay for it to upload.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            self._stop.set()
+            if self._persister is not None:
+                self._persister.wake.set()
+            self._thread.join(self.config.shutdown_grace_s + 5 if timeout is None else timeout)
+            if not self._thread.is_alive() and not staging.pending(self.root, self.rank):
+                staging.remove_rank(self.root, self.rank)
+            with _OPEN_LOCK:
+                _OPEN.discard((self.root, self.rank))
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- load -------------------------------------------------------------------
 
@@ -265,6 +387,7 @@ class Checkpointer:
                 corrupt = find_corruption(exc)
                 if corrupt is None:
                     raise _explain_load_failure(exc, candidate) from None
+                self.metrics.failures.labels(stage="restore").inc()
                 log.warning("%s; falling back to the previous checkpoint", corrupt)
                 skipped.append(candidate)
                 continue
@@ -276,12 +399,14 @@ class Checkpointer:
             )
             if extra is not None:
                 extra.update(state["extra"])
+            seconds = time.monotonic() - started
+            self.metrics.restore.observe(seconds)
             return LoadResult(
                 step=candidate,
                 extra=state["extra"],
                 skipped=tuple(skipped),
                 bytes_fetched=reader.stats.bytes_fetched,
-                seconds=time.monotonic() - started,
+                seconds=seconds,
             )
         raise CheckpointError(
             f"no usable checkpoint: all {len(steps)} committed checkpoints are corrupt "

@@ -7,8 +7,10 @@ points call it); everything below takes a config object.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from .chunking import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_SIZE, MIB
@@ -22,6 +24,19 @@ def default_staging_root() -> str:
     shm = "/dev/shm"
     base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
     return os.path.join(base, f"ctj-staging-{os.getuid()}")
+
+
+def _flag(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(value)
+
+
+def job_staging_dir(config: CheckpointConfig) -> Path:
+    """One staging directory per job (URI), so jobs on one machine never share slots."""
+    return Path(config.staging_dir) / hashlib.sha256(config.uri.encode()).hexdigest()[:12]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +66,18 @@ class CheckpointConfig:
     endpoint_url: str | None = None
     """S3 endpoint (MinIO, SeaweedFS, ...); None: AWS or AWS_ENDPOINT_URL."""
     region: str | None = None
+    sidecar: bool = False
+    """True: a sidecar process persists what this process stages; False: a thread here does."""
+    staging_slots: int = 1
+    """Staged copies a rank may hold (host memory = slots x the rank's state)."""
+    busy_policy: str = "wait"
+    """When every slot is still uploading: wait (block the save) or skip (count it, go on)."""
+    slot_wait_timeout_s: float = 600.0
+    """How long a save waits for a free slot before failing."""
+    shutdown_grace_s: float = 25.0
+    """On shutdown (SIGTERM), how long to keep persisting what is staged."""
+    metrics_port: int | None = None
+    """Serve /metrics, /healthz, /readyz on this port (None: don't serve)."""
 
     def __post_init__(self) -> None:
         Location.parse(self.uri)  # raises a CheckpointError naming the problem
@@ -74,6 +101,12 @@ class CheckpointConfig:
             raise bad("parallelism", "must be at least 1")
         if self.gc_grace_s < 0 or self.commit_timeout_s <= 0:
             raise bad("gc_grace_s/commit_timeout_s", "must be positive")
+        if self.staging_slots < 1:
+            raise bad("staging_slots", f"is {self.staging_slots}: use 1 or more")
+        if self.busy_policy not in ("wait", "skip"):
+            raise bad("busy_policy", f"is {self.busy_policy!r}: use wait or skip")
+        if self.shutdown_grace_s < 0 or self.slot_wait_timeout_s <= 0:
+            raise bad("shutdown_grace_s/slot_wait_timeout_s", "must be positive")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> CheckpointConfig:
@@ -89,6 +122,11 @@ class CheckpointConfig:
             "parallelism": ("CTJ_CHECKPOINT_PARALLELISM", int),
             "staging_dir": ("CTJ_STAGING_DIR", str),
             "endpoint_url": ("AWS_ENDPOINT_URL", str),
+            "sidecar": ("CTJ_SIDECAR", _flag),
+            "staging_slots": ("CTJ_STAGING_SLOTS", int),
+            "busy_policy": ("CTJ_BUSY_POLICY", str),
+            "shutdown_grace_s": ("CTJ_SHUTDOWN_GRACE_S", float),
+            "metrics_port": ("CTJ_METRICS_PORT", int),
         }
         values: dict[str, Any] = {}
         for field, (var, typ) in names.items():
@@ -97,7 +135,7 @@ class CheckpointConfig:
                     values[field] = typ(env[var])
                 except ValueError:
                     raise CheckpointError(
-                        f"{var}={env[var]!r} is not a valid {typ.__name__}"
+                        f"{var}={env[var]!r} is not a valid {typ.__name__.strip('_')}"
                     ) from None
         values.update(overrides)
         if "uri" not in values:

@@ -1,15 +1,12 @@
-"""DCP storage adapters: stage raw tensor bytes to a directory; read them back by range.
+"""The DCP read side: a StorageReader over a committed manifest.
 
-``StagingWriter`` is a ``torch.distributed.checkpoint`` StorageWriter that writes
-each rank's items to ``__<rank>_0.distcp`` as raw little-endian tensor bytes
-(not pickled), laid end to end, and the coordinator's ``.metadata`` last.
-Raw bytes are what make resharded loads cheap: a new rank that needs rows
-[a, b) of a saved shard reads exactly those bytes.
+Checkpoints hold raw little-endian tensor bytes (staging.StagingWriter writes
+them), not pickles. That is what makes resharded loads cheap: a new rank that
+needs rows [a, b) of a saved shard reads exactly those bytes.
 
-``ChunkedStorageReader`` is the matching StorageReader over a committed
-manifest: DCP's planner decides what each rank needs (resharding included);
-we turn every ReadItem into a byte range, fetch all of a plan's ranges in
-parallel, verified, and copy them into place.
+DCP's planner decides what each rank needs (resharding included); we turn
+every ReadItem into a byte range, fetch all of a plan's ranges in parallel,
+verified, and copy them into place.
 
 The per-item storage data is a plain ``(relative_path, offset, length)`` tuple,
 so a checkpoint's metadata never depends on our class names.
@@ -19,12 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import math
 import os
 import pickle
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,106 +29,14 @@ from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
     ReadItem,
-    SavePlan,
-    SavePlanner,
-    WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .chunk_reader import ChunkReader
-from .chunking import Span
-from .manifest import METADATA_FILE, rank_file_name
+from .manifest import METADATA_FILE
 
 READ_BATCH_BYTES = 256 << 20  # bound on bytes fetched but not yet copied, per rank
-
-
-def items_file(directory: Path, rank: int) -> Path:
-    return directory / f"rank-{rank}.items.json"
-
-
-def read_items(directory: Path, rank: int) -> tuple[Span, ...]:
-    raw = json.loads(items_file(directory, rank).read_text())
-    return tuple(Span(o, n) for o, n in raw)
-
-
-def _raw_view(tensor: torch.Tensor) -> memoryview:
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy())
-
-
-class StagingWriter(StorageWriter):
-    """Writes one checkpoint into a local (ideally memory-backed) directory.
-
-    Call order (DCP's): set_up_storage_writer, prepare_local_plan, [coordinator]
-    prepare_global_plan, write_data, [coordinator] finish. ``finish`` writes
-    ``.metadata``; ``write_data`` also writes ``rank-<r>.items.json``, the item
-    extents the uploader aligns chunks to.
-    """
-
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        super().__init__()
-        self.directory = Path(directory)
-        self.rank = 0
-
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self.directory = Path(checkpoint_id)
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-        self.directory.mkdir(parents=True, exist_ok=True)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(p, storage_data=i) for i, p in enumerate(plans)]
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        self.rank = int(plan.storage_data)
-        name = rank_file_name(self.rank)
-        results: list[WriteResult] = []
-        extents: list[tuple[int, int]] = []
-        offset = 0
-        # bytes first, then tensors by name: the same state always gives the same layout
-        items = sorted(plan.items, key=lambda i: (i.type != WriteItemType.BYTE_IO, str(i.index)))
-        with open(self.directory / name, "wb") as f:
-            for item in items:
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    assert isinstance(data, io.BytesIO)
-                    view = data.getbuffer()
-                else:
-                    assert isinstance(data, torch.Tensor)
-                    view = _raw_view(data)
-                f.write(view)
-                length = view.nbytes
-                results.append(WriteResult(item.index, length, (name, offset, length)))
-                extents.append((offset, length))
-                offset += length
-        items_file(self.directory, self.rank).write_text(json.dumps(extents))
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
-        tmp = self.directory / (METADATA_FILE + ".tmp")
-        tmp.write_bytes(pickle.dumps(metadata))
-        os.replace(tmp, self.directory / METADATA_FILE)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return True
-
-    def storage_meta(self) -> None:
-        return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -26,6 +26,10 @@ class CorruptCheckpointError(CheckpointError):
         self.reason = reason
 
 
+class UploadAborted(Exception):
+    """An upload stopped before it finished (shutdown grace ran out); nothing was committed."""
+
+
 class ObjectNotFound(Exception):
     """The object store has no object at a key."""
 

@@ -5,6 +5,7 @@ Format ``ctj-checkpoint`` version 1 (docs/format.md is the reference):
     chunks/<id[:2]>/<id>[.zst]       content-addressed chunk, stored once
     parts/<step>/rank-<r>.json       one rank's uploaded file list (pre-commit)
     manifests/<step>.json            the commit: a checkpoint exists iff this does
+    retired/<step>.json              a removed checkpoint's manifest, kept for the gc grace
 
 A manifest names every chunk of every file of its checkpoint, so a restore
 never walks a delta chain, and deleting any other checkpoint cannot break it.
@@ -22,6 +23,7 @@ METADATA_FILE = ".metadata"
 MODES = ("full", "incremental", "differential")
 
 MANIFESTS = "manifests/"
+RETIRED = "retired/"
 PARTS = "parts/"
 CHUNKS = "chunks/"
 
@@ -30,9 +32,14 @@ def manifest_key(step: int) -> str:
     return f"{MANIFESTS}{step:020d}.json"
 
 
+def retired_key(step: int) -> str:
+    return f"{RETIRED}{step:020d}.json"
+
+
 def step_of_manifest_key(key: str) -> int | None:
+    """The step of a ``manifests/`` or ``retired/`` key (None for anything else)."""
     name = key.rsplit("/", 1)[-1]
-    if not key.startswith(MANIFESTS) or not name.endswith(".json"):
+    if not key.startswith((MANIFESTS, RETIRED)) or not name.endswith(".json"):
         return None
     try:
         return int(name[: -len(".json")])

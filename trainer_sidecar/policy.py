@@ -14,6 +14,19 @@ from .objectstore import ObjectInfo
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Committed:
+    """What planning needs to know of the latest committed checkpoint."""
+
+    step: int
+    base_step: int
+    since_full: int
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> Committed:
+        return cls(manifest.step, manifest.base_step, manifest.since_full)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class SavePlan:
     step: int
     mode: str  # what this save actually does: full | incremental | differential
@@ -23,8 +36,12 @@ class SavePlan:
     reference_step: int | None  # whose chunks need no upload (None: upload all)
 
 
-def plan_save(step: int, *, mode: str, full_every: int, latest: Manifest | None) -> SavePlan:
-    """Full when asked, when there is nothing to build on, or every ``full_every`` saves."""
+def plan_save(step: int, *, mode: str, full_every: int, latest: Committed | None) -> SavePlan:
+    """Full when asked, when there is nothing to build on, or every ``full_every`` saves.
+
+    ``latest`` may lag behind a commit still in flight: the delta is then taken
+    against an older checkpoint, which costs bytes, never correctness.
+    """
     if latest is None or mode == "full" or latest.since_full + 1 >= full_every:
         return SavePlan(step, "full", latest.step if latest else None, step, 0, None)
     reference = latest.step if mode == "incremental" else latest.base_step

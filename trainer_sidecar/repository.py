@@ -3,10 +3,16 @@
 Everything here is a thin adapter between the object store and the pure rules
 in policy.py. The commit is one create-only write of the manifest; nothing
 else makes a checkpoint visible.
+
+Removing a checkpoint (retention or ``rm``) *retires* its manifest: it moves to
+``retired/`` and its chunks stay live for the gc grace period. A save in flight
+may have deduplicated against it a moment ago; the grace (longer than any
+save takes) is what keeps those chunks in place until that save commits.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import logging
 import time
@@ -25,11 +31,13 @@ from .manifest import (
     CHUNKS,
     MANIFESTS,
     PARTS,
+    RETIRED,
     FileEntry,
     Manifest,
     RankPart,
     manifest_key,
     part_prefix,
+    retired_key,
     step_of_manifest_key,
 )
 from .objectstore import ObjectStore
@@ -43,11 +51,16 @@ def committed_steps(store: ObjectStore) -> list[int]:
     return sorted(s for s in steps if s is not None)
 
 
-def read_manifest(store: ObjectStore, step: int) -> Manifest:
+def read_manifest(store: ObjectStore, step: int, *, retired_too: bool = False) -> Manifest:
     try:
         data = store.get(manifest_key(step))
     except ObjectNotFound:
-        raise NoCheckpointError(f"no committed checkpoint at step {step}") from None
+        try:
+            if not retired_too:
+                raise
+            data = store.get(retired_key(step))
+        except ObjectNotFound:
+            raise NoCheckpointError(f"no committed checkpoint at step {step}") from None
     try:
         return Manifest.from_bytes(data)
     except (ValueError, KeyError, TypeError) as exc:
@@ -81,22 +94,14 @@ def commit(
 ) -> Manifest:
     """Write the manifest from every rank's part; raises if a part is missing.
 
-    The reference checkpoint of a delta must still exist: its chunks were not
-    uploaded again, and a concurrent ``rm`` + gc could have removed them.
+    Chunks a rank did not upload were named by its reference manifest when it
+    read it; a retired reference keeps them for the gc grace, so they are there.
     """
     parts = read_parts(store, plan.step)
     ranks = {p.rank for p in parts}
     missing = sorted(set(range(world_size)) - ranks)
     if missing:
         raise CheckpointError(f"cannot commit step {plan.step}: ranks {missing} did not upload")
-    if plan.reference_step is not None:
-        try:
-            store.get(manifest_key(plan.reference_step))
-        except ObjectNotFound:
-            raise CheckpointError(
-                f"cannot commit step {plan.step}: its reference checkpoint "
-                f"{plan.reference_step} was removed during the save"
-            ) from None
     files: dict[str, FileEntry] = {}
     for part in parts:
         files.update(part.files)
@@ -135,8 +140,19 @@ def apply_retention(store: ObjectStore, keep_last: int) -> list[int]:
         except CheckpointError:
             summaries.append(policy.ManifestSummary(step, step))
     doomed = policy.plan_retention(summaries, keep_last)
-    store.delete(manifest_key(s) for s in doomed)
+    retire(store, doomed)
     return doomed
+
+
+def retire(store: ObjectStore, steps: list[int]) -> None:
+    """Move manifests to retired/: no longer checkpoints, chunks live for the grace."""
+    for step in steps:
+        try:
+            data = store.get(manifest_key(step))
+        except ObjectNotFound:
+            continue
+        store.put(retired_key(step), data)
+        store.delete([manifest_key(step)])
 
 
 def store_now(store: ObjectStore) -> float:
@@ -157,11 +173,22 @@ class GcReport:
 
 
 def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False) -> GcReport:
-    """Mark every chunk a manifest or an in-flight part names; sweep the rest past grace."""
+    """Mark every chunk a manifest, a young retired manifest or an in-flight part names;
+    sweep the rest past grace."""
+    now = store_now(store)
     referenced: set[str] = set()
     committed = set(committed_steps(store))
     for step in committed:
         referenced |= read_manifest(store, step).chunk_keys()
+    old_retired = []
+    for obj in store.list(RETIRED):
+        if now - obj.last_modified >= grace_s:
+            old_retired.append(obj.key)
+            continue
+        try:
+            referenced |= Manifest.from_bytes(store.get(obj.key)).chunk_keys()
+        except ObjectNotFound:
+            continue
     part_objects = list(store.list(PARTS))
     for obj in part_objects:
         try:
@@ -169,7 +196,6 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
         except ObjectNotFound:
             continue
         referenced |= {c.key for f in part.files.values() for c in f.chunks}
-    now = store_now(store)
     chunks = list(store.list(CHUNKS))
     doomed = set(policy.plan_gc(chunks, referenced, now=now, grace_s=grace_s))
     # parts of committed steps are leftovers of an interrupted cleanup; others age out
@@ -181,6 +207,7 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
     if not dry_run:
         store.delete(sorted(doomed))
         store.delete(stale_parts)
+        store.delete(old_retired)
     return GcReport(
         deleted_chunks=len(doomed),
         deleted_bytes=sum(o.size for o in chunks if o.key in doomed),
@@ -194,7 +221,7 @@ def remove(store: ObjectStore, steps: list[int]) -> None:
     unknown = [s for s in steps if s not in existing]
     if unknown:
         raise NoCheckpointError(f"no committed checkpoint at step(s) {unknown}")
-    store.delete(manifest_key(s) for s in steps)
+    retire(store, steps)
 
 
 def verify(
@@ -217,8 +244,6 @@ def verify(
             problems.append(exc)
         if progress:
             progress(chunk.size)
-
-    import concurrent.futures as cf
 
     with cf.ThreadPoolExecutor(parallelism) as pool:
         list(pool.map(check, sorted(chunks)))

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import zstandard
 
 from . import chunking
+from .errors import UploadAborted
 from .manifest import ChunkRef, FileEntry, RankPart, part_key
 from .objectstore import ObjectStore
 
@@ -83,6 +84,7 @@ def upload_rank(
     reference: set[str],
     settings: UploadSettings,
     progress: Callable[[int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> RankPart:
     """Upload the files, write ``parts/<step>/rank-<r>.json``, return that part."""
     started = time.monotonic()
@@ -93,6 +95,8 @@ def upload_rank(
 
     def one_chunk(view: memoryview) -> ChunkRef:
         nonlocal uploaded, deduplicated
+        if should_stop is not None and should_stop():
+            raise UploadAborted(f"upload of step {step} (rank {rank}) stopped")
         cid, blocks = chunking.hash_chunk(view, settings.block_size)
         codec = settings.compression
         stored_size = len(view)
@@ -135,6 +139,8 @@ def upload_rank(
         deduplicated_bytes=deduplicated,
         upload_seconds=time.monotonic() - started,
     )
+    if should_stop is not None and should_stop():
+        raise UploadAborted(f"upload of step {step} (rank {rank}) stopped before its part")
     store.put(part_key(step, rank), part.to_bytes())
     return part
 

@@ -92,7 +92,7 @@ def test_state_that_does_not_match_the_checkpoint(s3_uri: str) -> None:
     import torch
 
     config = CheckpointConfig(uri=s3_uri)
-    Checkpointer(config).save(1, model=torch.nn.Linear(4, 4))
+    Checkpointer(config).save(1, model=torch.nn.Linear(4, 4)).result()
     with pytest.raises(CheckpointError, match="does not match the state being loaded") as info:
         Checkpointer(config).load(model=torch.nn.Linear(4, 8))
     assert "load it into the same model" in str(info.value)

@@ -54,7 +54,7 @@ def test_chain_of_five_uploads_deltas_and_restores_bitwise(
         if step > 1:
             change_tenth(model, step)
         before = chunk_bytes(s3_uri, s3_env["AWS_ENDPOINT_URL"])
-        results[step] = ckpt.save(step, model=model, extra={"step": step})
+        results[step] = ckpt.save(step, model=model, extra={"step": step}).result()
         after = chunk_bytes(s3_uri, s3_env["AWS_ENDPOINT_URL"])
         new_bytes = sum(size for key, size in after.items() if key not in before)
         states[step] = snapshot(model)
@@ -103,7 +103,8 @@ def test_retention_keeps_last_k_and_their_base(s3_uri: str, s3_env: dict[str, st
     model = make_model(0)
     for step in range(1, 5):
         change_tenth(model, step)
-        ckpt.save(step, model=model)
+        ckpt.save(step, model=model).result()
+    ckpt.close()  # retention runs right after each commit; close() waits for it
     assert repo.committed_steps(ckpt.store) == [1, 3, 4]  # 1 is the base of 3 and 4
     fresh = make_model(5)
     assert Checkpointer(config).load(model=fresh).step == 4

@@ -51,11 +51,11 @@ def test_corrupt_chunk_is_named_by_verify_and_load_falls_back(
     config = CheckpointConfig(uri=s3_uri, mode="incremental")
     ckpt = Checkpointer(config)
     model = small_model(0)
-    ckpt.save(1, model=model)
+    ckpt.save(1, model=model).result()
     want = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         model[1].weight.mul_(2)
-    ckpt.save(2, model=model)
+    ckpt.save(2, model=model).result()
     keys = {step: repo.read_manifest(ckpt.store, step).chunk_keys() for step in (1, 2)}
     only_in_2 = sorted(keys[2] - keys[1])
     flip_one_byte(s3_uri, s3_env["AWS_ENDPOINT_URL"], only_in_2[0])

@@ -58,10 +58,12 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> Non
 def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Model and optimizer state gathered to full tensors on rank 0 (empty elsewhere)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {
+    state = {
         "model": get_model_state_dict(model, options=options),
         "optim": get_optimizer_state_dict(model, opt, options=options).get("state", {}),
     }
+    # replicated tensors (the optimizer's step) come back as the live objects: copy them
+    return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, state)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -75,7 +77,7 @@ def assert_bitwise_equal(got: Any, want: Any, path: str = "") -> None:
             assert_bitwise_equal(got[k], want[k], f"{path}/{k}")
     elif isinstance(want, torch.Tensor):
         assert got.dtype == want.dtype and got.shape == want.shape, path
-        assert torch.equal(_raw(got), _raw(want)), f"{path} differs"
+        assert torch.equal(_raw(got), _raw(want)), (path, got.flatten()[:4], want.flatten()[:4])
     else:
         assert got == want, f"{path}: {got!r} != {want!r}"
 
@@ -88,10 +90,12 @@ def save(args: dict[str, Any]) -> None:
     """Train a little, save at args['step'], write the gathered reference state."""
     model, opt = build(args["kind"], seed=0)
     train(model, opt, 2)
-    Checkpointer(config(args)).save(
+    pending = Checkpointer(config(args)).save(
         args["step"], model=model, optimizer=opt, extra={"step": args["step"], "pos": 7}
     )
     ref = full_state(model, opt)
+    train(model, opt, 1)  # the parameters may change as soon as save() returns
+    pending.result()
     if dist.get_rank() == 0:
         torch.save(ref, args["ref"])
 
@@ -132,13 +136,14 @@ def save_then_die_mid_upload(args: dict[str, Any]) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
     ckpt = Checkpointer(config(args))
-    ckpt.save(1, model=model)
+    ckpt.save(1, model=model).result()
+    ckpt.close()
     torch.save(model.state_dict(), args["ref"])
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
     hanging = HangingStore(ckpt.store, limit=3, marker=args["marker"])
-    Checkpointer(config(args), store=hanging).save(2, model=model)
+    Checkpointer(config(args), store=hanging).save(2, model=model).result()
     raise AssertionError("the save should have hung")
 
 

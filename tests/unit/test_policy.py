@@ -2,26 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from trainer_sidecar.manifest import Manifest
 from trainer_sidecar.objectstore import ObjectInfo
-from trainer_sidecar.policy import ManifestSummary, plan_gc, plan_retention, plan_save
+from trainer_sidecar.policy import Committed, ManifestSummary, plan_gc, plan_retention, plan_save
 
 
-def manifest(step: int, *, mode: str, base: int, since_full: int) -> Manifest:
-    return Manifest(
-        step=step,
-        mode=mode,
-        parent_step=None,
-        base_step=base,
-        since_full=since_full,
-        world_size=1,
-        block_size=1024,
-        files={},
-        logical_bytes=0,
-        uploaded_bytes=0,
-        deduplicated_bytes=0,
-        created=0.0,
-    )
+def manifest(step: int, *, mode: str, base: int, since_full: int) -> Committed:
+    """The summary of a committed manifest (mode is what it was saved as)."""
+    assert mode in ("full", "incremental", "differential")
+    return Committed(step, base, since_full)
 
 
 @pytest.mark.parametrize(
@@ -61,7 +49,7 @@ def manifest(step: int, *, mode: str, base: int, since_full: int) -> Manifest:
         ),
     ],
 )
-def test_plan_save(mode: str, full_every: int, latest: Manifest | None, want: tuple) -> None:
+def test_plan_save(mode: str, full_every: int, latest: Committed | None, want: tuple) -> None:
     plan = plan_save(10, mode=mode, full_every=full_every, latest=latest)
     assert (
         plan.mode,

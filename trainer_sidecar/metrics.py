@@ -1,0 +1,152 @@
+"""Prometheus metrics of the checkpoint engine: one place, base units, low-cardinality labels.
+
+The trainer side records stall and restore; the persister (sidecar or the
+in-process thread) records upload, commit, bytes, failures and last success.
+Each component gets a ``CheckpointMetrics`` over a registry it is handed, so
+tests use a fresh registry and processes can serve theirs on /metrics.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+# from 1 ms (a stall) to ~17 min (a large upload)
+_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+    600,
+    1200,
+)
+FAILURE_STAGES = ("stage", "upload", "commit", "restore")
+BYTE_KINDS = ("logical", "uploaded", "deduplicated")
+
+
+class CheckpointMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.stall = Histogram(
+            "ctj_checkpoint_stall_seconds",
+            "Time a save blocked the training loop (until the state was staged).",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.upload = Histogram(
+            "ctj_checkpoint_upload_seconds",
+            "Time to chunk, hash and upload one rank's staged checkpoint.",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.commit = Histogram(
+            "ctj_checkpoint_commit_seconds",
+            "Time from a checkpoint being staged to its manifest being committed.",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.restore = Histogram(
+            "ctj_checkpoint_restore_seconds",
+            "Time to load a committed checkpoint into the training state.",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.bytes = Counter(
+            "ctj_checkpoint_bytes",
+            "Checkpoint bytes by kind: logical (state size), uploaded, "
+            "deduplicated (already stored, not sent).",
+            ["kind"],
+            registry=r,
+        )
+        self.last_success = Gauge(
+            "ctj_checkpoint_last_success_timestamp_seconds",
+            "Unix time of the last committed checkpoint.",
+            registry=r,
+        )
+        self.failures = Counter(
+            "ctj_checkpoint_failures",
+            "Checkpoint failures by stage (restore counts fallbacks).",
+            ["stage"],
+            registry=r,
+        )
+        self.skipped = Counter(
+            "ctj_checkpoint_skipped",
+            "Saves skipped because the previous one was still uploading (policy skip).",
+            registry=r,
+        )
+        self.last_step = Gauge(
+            "ctj_checkpoint_last_committed_step",
+            "Step of the last committed checkpoint.",
+            registry=r,
+        )
+        for stage in FAILURE_STAGES:  # export zeros, so rates work from the start
+            self.failures.labels(stage=stage)
+        for kind in BYTE_KINDS:
+            self.bytes.labels(kind=kind)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {}
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        route = self.routes.get(self.path.split("?")[0])
+        code, ctype, body = route() if route else (404, "text/plain", b"not found\n")
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass  # probes every few seconds would drown the log
+
+
+def serve(
+    port: int,
+    metrics: CheckpointMetrics,
+    *,
+    healthy: Callable[[], bool] = lambda: True,
+    ready: Callable[[], bool] = lambda: True,
+    host: str = "0.0.0.0",
+) -> http.server.ThreadingHTTPServer:
+    """/metrics, /healthz and /readyz on a daemon thread; port 0 picks a free one."""
+
+    def probe(check: Callable[[], bool]) -> Callable[[], tuple[int, str, bytes]]:
+        return lambda: (200, "text/plain", b"ok\n") if check() else (503, "text/plain", b"no\n")
+
+    handler = type(
+        "Handler",
+        (_Handler,),
+        {
+            "routes": {
+                "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics.exposition()),
+                "/healthz": probe(healthy),
+                "/readyz": probe(ready),
+            }
+        },
+    )
+    server = http.server.ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="ctj-metrics", daemon=True).start()
+    return server
