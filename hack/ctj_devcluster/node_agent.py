@@ -37,7 +37,8 @@ from kubernetes.client.exceptions import ApiException
 from . import dns, volumes
 from .informer import Informer
 from .kubelet_server import KubeletServer
-from .pod_worker import PodWorker, now_rfc3339
+from .pod_api import PodApi, now_rfc3339
+from .pod_worker import PodWorker
 from .podspec import Obj
 
 log = logging.getLogger("ctj_devcluster.node_agent")
@@ -118,6 +119,7 @@ class NodeAgent:
         self.api = config.new_client_from_config(config_file=str(config_.kubeconfig))
         self.core = client.CoreV1Api(self.api)
         self.coordination = client.CoordinationV1Api(self.api)
+        self.pod_api = PodApi(self.api, config_.name)
         self.workers: dict[str, PodWorker] = {}
         self._lock = threading.Lock()
         self._free_ips = [f"{self.subnet}{n}" for n in range(254, 1, -1)]
@@ -281,7 +283,7 @@ class NodeAgent:
                 return
             if meta.get("deletionTimestamp"):
                 # Not running here (it was, under a previous agent): finish the deletion.
-                self.delete_pod(pod)
+                self.pod_api.delete_pod(pod)
                 return
             if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 return  # finished before this agent started: nothing to run
@@ -298,110 +300,12 @@ class NodeAgent:
         """Called by a worker's thread when it is done: remove the pod if it was being
         deleted, free its IP and clean its volumes."""
         if worker.delete_when_stopped and not self._stopping.is_set():
-            self.delete_pod(worker.pod)
+            self.pod_api.delete_pod(worker.pod)
         volumes.cleanup(worker.dir, worker.pod["metadata"]["uid"])
         with self._lock:
             self.workers.pop(worker.pod["metadata"]["uid"], None)
             if worker.pod_ip.startswith(self.subnet):
                 self._free_ips.append(worker.pod_ip)
-
-    def delete_pod(self, pod: Obj) -> None:
-        meta = pod["metadata"]
-        try:
-            self.core.delete_namespaced_pod(
-                meta["name"],
-                meta["namespace"],
-                grace_period_seconds=0,
-                body={"preconditions": {"uid": meta["uid"]}, "gracePeriodSeconds": 0},
-            )
-        except ApiException as exc:
-            if exc.status not in (404, 409):
-                log.warning("delete pod %s/%s: %s", meta["namespace"], meta["name"], exc.reason)
-
-    def patch_pod_status(self, pod: Obj, status: dict[str, Any]) -> bool:
-        meta = pod["metadata"]
-        try:
-            # A strategic merge patch, as the kubelet sends: conditions merge by type and
-            # container statuses by name. (call_api: older clients cannot set the type.)
-            self.api.call_api(
-                "/api/v1/namespaces/{namespace}/pods/{name}/status",
-                "PATCH",
-                path_params={"namespace": meta["namespace"], "name": meta["name"]},
-                header_params={
-                    "Content-Type": "application/strategic-merge-patch+json",
-                    "Accept": "application/json",
-                },
-                body={"metadata": {"uid": meta["uid"]}, "status": status},
-                auth_settings=["BearerToken"],
-                response_type="object",
-                _return_http_data_only=True,
-                _preload_content=False,
-            )
-            return True
-        except ApiException as exc:
-            if exc.status not in (404, 409):
-                log.warning(
-                    "status of %s/%s: %s %s", meta["namespace"], meta["name"], exc.status, exc.body
-                )
-            return False
-
-    def record_event(self, pod: Obj, kind: str, reason: str, message: str) -> None:
-        """A core/v1 Event about a pod from this node's "kubelet", as `kubectl describe`
-        shows them. Best effort: an event that cannot be written is only logged."""
-        meta = pod["metadata"]
-        t = now_rfc3339()
-        try:
-            self.core.create_namespaced_event(
-                meta["namespace"],
-                {
-                    "metadata": {
-                        "generateName": f"{meta['name']}.",
-                        "namespace": meta["namespace"],
-                    },
-                    "involvedObject": {
-                        "kind": "Pod",
-                        "apiVersion": "v1",
-                        "name": meta["name"],
-                        "namespace": meta["namespace"],
-                        "uid": meta["uid"],
-                    },
-                    "type": kind,
-                    "reason": reason,
-                    "message": message,
-                    "count": 1,
-                    "firstTimestamp": t,
-                    "lastTimestamp": t,
-                    "source": {"component": "kubelet", "host": self.config.name},
-                    "reportingComponent": "kubelet",
-                    "reportingInstance": self.config.name,
-                },
-            )
-        except Exception as exc:
-            log.info(
-                "event %s for %s/%s not recorded: %r", reason, meta["namespace"], meta["name"], exc
-            )
-
-    # --- what workers read through the node's credentials --------------------------------
-    def _read(self, fn: Any, namespace: str, name: str) -> Obj | None:
-        try:
-            obj: Obj = json.loads(fn(name, namespace, _preload_content=False).data)
-            return obj
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-
-    def get_secret(self, namespace: str, name: str) -> Obj | None:
-        return self._read(self.core.read_namespaced_secret, namespace, name)
-
-    def get_config_map(self, namespace: str, name: str) -> Obj | None:
-        return self._read(self.core.read_namespaced_config_map, namespace, name)
-
-    def request_token(self, namespace: str, service_account: str, spec: Obj) -> str:
-        result = self.core.create_namespaced_service_account_token(
-            service_account, namespace, {"spec": dict(spec)}
-        )
-        return str(result.status.token)
 
     def container_log(self, namespace: str, pod: str, container: str) -> Any:
         """For the kubelet API: a container's log file and whether it is still running."""

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import podspec, volumes
+from .pod_api import now_rfc3339
 from .podspec import ConfigError, Obj
 
 if TYPE_CHECKING:
@@ -34,10 +35,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 POD_EXEC = Path(__file__).with_name("pod_exec.py")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-def now_rfc3339() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 @dataclass
@@ -180,9 +177,9 @@ class PodWorker:
             self._volume_paths = volumes.materialize(
                 self.pod,
                 self.dir,
-                get_secret=self.agent.get_secret,
-                get_config_map=self.agent.get_config_map,
-                request_token=self.agent.request_token,
+                get_secret=self.agent.pod_api.get_secret,
+                get_config_map=self.agent.pod_api.get_config_map,
+                request_token=self.agent.pod_api.request_token,
             )
             self._prepared = True
         except Exception as exc:  # ConfigError or an API error: reported on the pod, retried
@@ -221,8 +218,8 @@ class PodWorker:
                 self.pod,
                 c.spec,
                 base=self._base_env(),
-                get_secret=self.agent.get_secret,
-                get_config_map=self.agent.get_config_map,
+                get_secret=self.agent.pod_api.get_secret,
+                get_config_map=self.agent.pod_api.get_config_map,
                 node_allocatable=self.agent.allocatable,
             )
             argv = podspec.container_argv(c.spec, env)
@@ -230,7 +227,7 @@ class PodWorker:
         except ConfigError as exc:
             c.waiting_reason, c.waiting_message = "CreateContainerConfigError", str(exc)
             c.next_start = time.monotonic() + 2.0
-            self.agent.record_event(self.pod, "Warning", "Failed", f"Error: {exc}")
+            self.agent.pod_api.record_event(self.pod, "Warning", "Failed", f"Error: {exc}")
             return
         exec_spec = {
             "agent_pid": os.getpid(),
@@ -257,7 +254,9 @@ class PodWorker:
             )
         c.started_at, c.terminated, c.waiting_message = now_rfc3339(), None, ""
         log.info("pod %s: started container %s (pid %d)", self.key, c.name, c.proc.pid)
-        self.agent.record_event(self.pod, "Normal", "Started", f"Started container {c.name}")
+        self.agent.pod_api.record_event(
+            self.pod, "Normal", "Started", f"Started container {c.name}"
+        )
 
     def _reap(self, c: Container) -> None:
         if c.proc is None or c.terminated is not None:
@@ -292,7 +291,7 @@ class PodWorker:
         c.last_terminated, c.restart_count = c.terminated, c.restart_count + 1
         c.proc, c.terminated = None, None
         c.waiting_reason = "CrashLoopBackOff"
-        self.agent.record_event(
+        self.agent.pod_api.record_event(
             self.pod, "Warning", "BackOff", f"Back-off {backoff:.0f}s restarting container {c.name}"
         )
 
@@ -331,7 +330,9 @@ class PodWorker:
             if c.proc is not None and c.proc.poll() is None
         ]
         for c in running:
-            self.agent.record_event(self.pod, "Normal", "Killing", f"Stopping container {c.name}")
+            self.agent.pod_api.record_event(
+                self.pod, "Normal", "Killing", f"Stopping container {c.name}"
+            )
             _signal_group(c.proc, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for c in running:
@@ -396,7 +397,9 @@ class PodWorker:
         if self.init_containers:
             status["initContainerStatuses"] = [c.status(node) for c in self.init_containers]
         fingerprint = json.dumps(status, sort_keys=True)
-        if fingerprint != self._last_status and self.agent.patch_pod_status(self.pod, status):
+        if fingerprint != self._last_status and self.agent.pod_api.patch_pod_status(
+            self.pod, status
+        ):
             self._last_status = fingerprint
 
 
