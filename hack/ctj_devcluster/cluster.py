@@ -8,8 +8,10 @@ on any failure in ``start()``) stops everything it started, newest first.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -71,6 +73,8 @@ class Cluster:
         )
         self.nodes: dict[str, NodeHandle] = {}
         self.net = config.net or _free_loopback_net()
+        root_id = hashlib.sha256(str(config.root.resolve()).encode()).hexdigest()[:10]
+        self.shm_root = Path("/dev/shm/ctj-devcluster") / root_id
         self.dns: ManagedProcess | None = None
         self._next_index = 1
         self.started_in: float = 0.0
@@ -240,6 +244,7 @@ class Cluster:
             api_port=int(port),
             kubelet_version=_kube_version(self.binaries),
             net=self.net,
+            shm_root=str(self.shm_root),
             serving_cert=str(serving.cert),
             serving_key=str(serving.key),
             client_ca=str(cp.ca.pair.cert),
@@ -323,6 +328,7 @@ class Cluster:
         if self.dns is not None:
             self.dns.stop()
         self.control_plane.stop()
+        shutil.rmtree(self.shm_root, ignore_errors=True)
 
     def _write_state(self) -> None:
         pids = {p.name: p.pid for p in self.control_plane.processes}

@@ -78,6 +78,9 @@ class NodeAgentConfig:
     client_ca: str = ""
     """CA whose client certificates (the API server's) the kubelet API accepts."""
     kubelet_port: int = 10250
+    shm_root: str = "/dev/shm/ctj-devcluster/default"
+    """Where memory-backed emptyDirs live (tmpfs); the launcher removes it at teardown, so
+    volumes of pods on a killed node do not hold memory after the cluster is gone."""
     python_bin_dir: str = field(default_factory=lambda: os.path.dirname(sys.executable))
     """Put first on every container's PATH, so a command ``python`` is the venv's python."""
 
@@ -301,7 +304,7 @@ class NodeAgent:
         deleted, free its IP and clean its volumes."""
         if worker.delete_when_stopped and not self._stopping.is_set():
             self.pod_api.delete_pod(worker.pod)
-        volumes.cleanup(worker.dir, worker.pod["metadata"]["uid"])
+        volumes.cleanup(worker.dir, worker.shm_dir)
         with self._lock:
             self.workers.pop(worker.pod["metadata"]["uid"], None)
             if worker.pod_ip.startswith(self.subnet):

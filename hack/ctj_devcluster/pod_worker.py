@@ -119,6 +119,7 @@ class PodWorker:
         self.key = f"{meta['namespace']}/{meta['name']}"
         pod_dir = f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
         self.dir = self.agent.config.root / "pods" / pod_dir
+        self.shm_dir = Path(self.agent.config.shm_root) / meta["uid"]
 
     # --- called from the agent's event handler ---------------------------------------
     def start(self) -> PodWorker:
@@ -180,6 +181,7 @@ class PodWorker:
                 get_secret=self.agent.pod_api.get_secret,
                 get_config_map=self.agent.pod_api.get_config_map,
                 request_token=self.agent.pod_api.request_token,
+                shm_dir=self.shm_dir,
             )
             self._prepared = True
         except Exception as exc:  # ConfigError or an API error: reported on the pod, retried

@@ -66,8 +66,10 @@ def materialize(
     get_secret: Getter,
     get_config_map: Getter,
     request_token: TokenFn,
+    shm_dir: Path,
 ) -> dict[str, Path]:
-    """Creates every volume of ``pod`` and returns volume name -> host path."""
+    """Creates every volume of ``pod`` and returns volume name -> host path
+    (``medium: Memory`` emptyDirs under ``shm_dir``, the pod's tmpfs)."""
     meta, spec = pod["metadata"], pod["spec"]
     namespace = meta["namespace"]
     paths: dict[str, Path] = {}
@@ -76,7 +78,7 @@ def materialize(
         target = pod_dir / "volumes" / name
         if "emptyDir" in volume:
             if (volume["emptyDir"] or {}).get("medium") == "Memory":
-                target = shm_dir(meta["uid"]) / name
+                target = shm_dir / name
             target.mkdir(parents=True, exist_ok=True)
         elif "hostPath" in volume:
             target = Path(volume["hostPath"]["path"])
@@ -201,10 +203,7 @@ def container_mounts(container: Obj, volume_paths: Mapping[str, Path]) -> list[d
     return mounts
 
 
-def shm_dir(pod_uid: str) -> Path:
-    return Path("/dev/shm/ctj-devcluster") / pod_uid
-
-
-def cleanup(pod_dir: Path, pod_uid: str) -> None:
-    shutil.rmtree(shm_dir(pod_uid), ignore_errors=True)
+def cleanup(pod_dir: Path, shm_dir: Path) -> None:
+    """Removes a finished pod's volumes (the memory-backed ones live in ``shm_dir``)."""
+    shutil.rmtree(shm_dir, ignore_errors=True)
     shutil.rmtree(pod_dir / "volumes", ignore_errors=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from ctj_devcluster import Binaries, Cluster, ClusterConfig
 from ctj_devcluster.processes import wait_until
+from kubernetes import client
 
 from .conftest import HACK
 
@@ -35,14 +36,45 @@ def test_session_cluster_started_within_budget(cluster: Cluster) -> None:
     assert 0 < cluster.started_in < WARM_START_BUDGET_SECONDS
 
 
-def test_stop_leaves_no_process(cluster_binaries: Binaries, tmp_path: Path) -> None:
+def test_stop_leaves_no_process_and_no_memory(cluster_binaries: Binaries, tmp_path: Path) -> None:
     small = Cluster(ClusterConfig(root=tmp_path / "c", nodes=1), cluster_binaries).start()
     pids = [p.pid for p in small.control_plane.processes]
     pids += [small.dns.pid] if small.dns else []
     pids += [h.process.pid for h in small.nodes.values()]
     assert all(_alive(pid) for pid in pids)
+    # a pod holding a memory-backed emptyDir on a node that is then lost: nobody on the
+    # node cleans it, the launcher's teardown must
+    core = client.CoreV1Api(small.api_client())
+    wait_until(
+        lambda: core.read_namespaced_service_account("default", "default"),
+        timeout=30,
+        what="default service account",
+    )
+    code = "open('/mnt/ctj-test/mem/blob', 'wb').write(b'x' * 2**20); import time; time.sleep(3600)"
+    core.create_namespaced_pod(
+        "default",
+        {
+            "metadata": {"name": "holder"},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "none",
+                        "command": ["python", "-c", code],
+                        "volumeMounts": [{"name": "mem", "mountPath": "/mnt/ctj-test/mem"}],
+                    }
+                ],
+                "volumes": [{"name": "mem", "emptyDir": {"medium": "Memory"}}],
+            },
+        },
+    )
+    wait_until(
+        lambda: any(small.shm_root.glob("*/mem/blob")), timeout=30, what="the pod's tmpfs file"
+    )
+    small.kill_node("node-1")
     small.stop()
     assert [pid for pid in pids if _alive(pid)] == []
+    assert not small.shm_root.exists()
 
 
 def test_sigkill_of_the_supervisor_kills_every_component(
