@@ -33,7 +33,7 @@ spec:
       containers:
       - name: main
         image: python:3.11
-        command: [python, -c, "import time; time.sleep(3600)"]
+        command: [python, -c, "import signal; signal.pause()"]
 """,
 }
 

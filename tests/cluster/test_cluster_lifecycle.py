@@ -50,7 +50,7 @@ def test_stop_leaves_no_process_and_no_memory(cluster_binaries: Binaries, tmp_pa
         timeout=30,
         what="default service account",
     )
-    code = "open('/mnt/ctj-test/mem/blob', 'wb').write(b'x' * 2**20); import time; time.sleep(3600)"
+    code = "open('/mnt/ctj-test/mem/blob', 'wb').write(b'x' * 2**20); import signal; signal.pause()"
     core.create_namespaced_pod(
         "default",
         {

@@ -17,12 +17,12 @@ from .kube import core, node_ready, pod_manifest, python_container, read_pod, wa
 pytestmark = pytest.mark.cluster
 
 SLEEPER = """
-import os, subprocess, time
-grandchild = subprocess.Popen(["sleep", "3600"])   # like torchrun's workers
+import os, signal, subprocess
+grandchild = subprocess.Popen(["sleep", "infinity"])   # like torchrun's workers
 with open(os.environ["PIDFILE"] + ".tmp", "w") as f:
     f.write(f"{os.getpid()} {grandchild.pid}")
 os.rename(os.environ["PIDFILE"] + ".tmp", os.environ["PIDFILE"])
-time.sleep(3600)
+signal.pause()   # until stopped
 """
 
 

@@ -212,7 +212,7 @@ def test_init_container_then_native_sidecar_then_main(cluster: Cluster, namespac
     )
     sidecar = python_container(
         "sidecar",
-        "import time\nopen('/mnt/ctj-test/staging/sidecar', 'w').write('up')\ntime.sleep(3600)",
+        "import signal\nopen('/mnt/ctj-test/staging/sidecar', 'w').write('up')\nsignal.pause()",
         volumeMounts=mount,
         restartPolicy="Always",
     )
