@@ -302,6 +302,11 @@ class Checkpointer:
             self._persister.wake.set()
         return PendingSave(self, step, started, stall)
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The port /metrics is served on (config.metrics_port, or the one 0 picked)."""
+        return int(self._server.server_address[1]) if self._server else None
+
     def persist_failure(self, step: int) -> str | None:
         """Why the in-process persister could not persist ``step`` (None: no failure seen)."""
         return self._persister.failures.get(step) if self._persister else None
@@ -328,9 +333,8 @@ class Checkpointer:
         with a sidecar they stay for it to upload.
         """
         if self._thread is not None and self._thread.is_alive():
-            self._stop.set()
             if self._persister is not None:
-                self._persister.wake.set()
+                self._persister.shutdown(self._stop, self.config.shutdown_grace_s)
             self._thread.join(self.config.shutdown_grace_s + 5 if timeout is None else timeout)
             if not self._thread.is_alive() and not staging.pending(self.root, self.rank):
                 staging.remove_rank(self.root, self.rank)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -166,9 +167,34 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sidecar(args: argparse.Namespace) -> int:
+    from . import sidecar
+    from .config import CheckpointConfig
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    overrides = {k: v for k, v in (("uri", args.uri), ("staging_dir", args.staging_dir)) if v}
+    config = CheckpointConfig.from_env(**overrides)
+    port = args.metrics_port if args.metrics_port is not None else config.metrics_port
+    grace = args.grace if args.grace is not None else config.shutdown_grace_s
+    return sidecar.run(config, metrics_port=port, grace_s=grace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctj", description="ctj: fault-tolerant PyTorch training")
     top = parser.add_subparsers(dest="command", required=True)
+    sc = top.add_parser(
+        "sidecar",
+        help="persist what the trainer stages (runs beside it; settings from CTJ_* env)",
+    )
+    sc.add_argument("--uri", help="checkpoint location (default: CTJ_CHECKPOINT_URI)")
+    sc.add_argument("--staging-dir", help="staging root shared with the trainer (CTJ_STAGING_DIR)")
+    sc.add_argument("--metrics-port", type=int,
+                    help="serve /metrics, /healthz, /readyz (default: CTJ_METRICS_PORT; 0 = any)")
+    sc.add_argument("--grace", type=float,
+                    help="seconds to finish staged work after SIGTERM (CTJ_SHUTDOWN_GRACE_S, 25)")
+    sc.set_defaults(fn=cmd_sidecar)
     ck = top.add_parser("checkpoints", help="inspect and manage a job's checkpoints")
     sub = ck.add_subparsers(dest="action", required=True)
 

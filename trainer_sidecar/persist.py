@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from . import repository, staging
@@ -77,9 +78,10 @@ class Persister:
         self._reference_cache = (step, ids)
         return ids
 
-    def process(self, slot: Path, staged: staging.StagedCheckpoint) -> Manifest | None:
-        """Upload one rank's staged checkpoint; on rank 0 also commit it. Raises on failure."""
+    def upload(self, slot: Path, staged: staging.StagedCheckpoint) -> None:
+        """Upload one rank's staged checkpoint, write its part, free the slot."""
         started = time.monotonic()
+        log.info("uploading step %d (rank %d)", staged.step, staged.rank)
         files = [StagedFile(name, str(slot / name), items) for name, items in staged.files]
         part = upload_rank(
             self.store,
@@ -101,8 +103,9 @@ class Persister:
             part.uploaded_bytes,
             part.deduplicated_bytes,
         )
-        if staged.rank != 0:
-            return None
+
+    def commit(self, staged: staging.StagedCheckpoint) -> Manifest:
+        """Rank 0's job: once every rank's part is stored, write the manifest."""
         self._wait_for_parts(staged)
         if self._past_deadline():
             raise UploadAborted(f"step {staged.step}: shutdown grace ran out before the commit")
@@ -111,11 +114,10 @@ class Persister:
             staged.plan,
             world_size=staged.world_size,
             block_size=self.config.block_size,
-            timings={"stage": staged.stage_seconds, "persist": time.monotonic() - started},
+            timings={"stage": staged.stage_seconds, "persist": time.time() - staged.staged_at},
             versions=self.versions,
         )
-        committed = Committed.of(manifest)
-        staging.write_state(self.root, committed, self.config.uri)
+        staging.write_state(self.root, Committed.of(manifest), self.config.uri)
         self.metrics.commit.observe(max(0.0, time.time() - staged.staged_at))
         self.metrics.bytes.labels(kind="logical").inc(manifest.logical_bytes)
         self.metrics.last_success.set(manifest.created)
@@ -161,33 +163,59 @@ class Persister:
             staging.write_state(self.root, Committed.of(latest), self.config.uri)
 
     def run_once(self) -> bool:
-        """Process every staged checkpoint now; False if there was nothing to do."""
+        """Persist everything staged now; False if there was nothing to do.
+
+        Every staged rank is uploaded before any commit is attempted: one sidecar
+        may serve several ranks of a step (nprocPerNode > 1), rank 0 among them.
+        """
         work = staging.pending(self.root, self.rank)
+        to_commit = []
+        failed: set[int] = set()
         for slot, staged in work:
-            if not (slot / staging.READY).exists():
-                continue
-            try:
-                self.process(slot, staged)
-            except UploadAborted as exc:
-                log.warning("%s", exc)
-                self.metrics.failures.labels(stage="upload").inc()
-                raise
-            except Exception as exc:  # noqa: BLE001 - counted, logged, slot freed
-                stage = "commit" if isinstance(exc, CheckpointError) else "upload"
-                self.metrics.failures.labels(stage=stage).inc()
-                self.failures[staged.step] = str(exc)
-                log.error("step %d (rank %d) not persisted: %s", staged.step, staged.rank, exc)
+            if self._attempt(staged, "upload", lambda s=slot, st=staged: self.upload(s, st)):
+                if staged.rank == 0:
+                    to_commit.append(staged)
+            else:
+                failed.add(staged.step)
                 staging.release(slot)
+        for staged in to_commit:
+            if staged.step in failed:  # a rank of it failed here: no point waiting for it
+                continue
+            self._attempt(staged, "commit", lambda st=staged: self.commit(st))
         return bool(work)
+
+    def _attempt(
+        self, staged: staging.StagedCheckpoint, stage: str, fn: Callable[[], object]
+    ) -> bool:
+        try:
+            fn()
+            return True
+        except UploadAborted as exc:
+            log.warning("%s", exc)
+            self.metrics.failures.labels(stage=stage).inc()
+            raise
+        except Exception as exc:  # noqa: BLE001 - counted and logged; the job trains on
+            self.metrics.failures.labels(stage=stage).inc()
+            self.failures[staged.step] = str(exc)
+            log.error("step %d (rank %d) not persisted: %s", staged.step, staged.rank, exc)
+            return False
+
+    def shutdown(self, stop: threading.Event, grace_s: float) -> None:
+        """Ask run() to finish: what is staged gets ``grace_s`` more, counted from now."""
+        if self.deadline is None:
+            self.deadline = time.monotonic() + grace_s
+        stop.set()
+        self.wake.set()
 
     def run(self, stop: threading.Event, *, grace_s: float) -> None:
         """Persist until ``stop``; then finish what is staged within ``grace_s``."""
-        while not stop.is_set():
-            if not self.run_once():
-                self.wake.wait(0.05)
-                self.wake.clear()
-        self.deadline = time.monotonic() + grace_s
         try:
+            while not stop.is_set():
+                if not self.run_once():
+                    self.wake.wait(0.05)
+                    self.wake.clear()
+            if self.deadline is None:
+                self.deadline = time.monotonic() + grace_s
             while self.run_once():
                 pass
         except UploadAborted:

@@ -93,27 +93,28 @@ def upload_rank(
     counter_lock = threading.Lock()
     entries: dict[str, FileEntry] = {}
 
-    def one_chunk(view: memoryview) -> ChunkRef:
+    def one_chunk(whole: memoryview, span: chunking.Span) -> ChunkRef:
         nonlocal uploaded, deduplicated
         if should_stop is not None and should_stop():
             raise UploadAborted(f"upload of step {step} (rank {rank}) stopped")
-        cid, blocks = chunking.hash_chunk(view, settings.block_size)
-        codec = settings.compression
-        stored_size = len(view)
-        if dedup.claim(cid):
-            body: bytes | memoryview = view
-            if codec == "zstd":
-                body = zstandard.ZstdCompressor(level=settings.zstd_level).compress(view)
-                stored_size = len(body)
-            store.put(ChunkRef(cid, 0, 0, codec, ()).key, body)
-            with counter_lock:
-                uploaded += len(view)
-        else:
-            with counter_lock:
-                deduplicated += len(view)
+        with whole[span.offset : span.end] as view:  # released here, so the map can close
+            cid, blocks = chunking.hash_chunk(view, settings.block_size)
+            codec = settings.compression
+            stored_size = len(view)
+            if dedup.claim(cid):
+                body: bytes | memoryview = view
+                if codec == "zstd":
+                    body = zstandard.ZstdCompressor(level=settings.zstd_level).compress(view)
+                    stored_size = len(body)
+                store.put(ChunkRef(cid, 0, 0, codec, ()).key, body)
+                with counter_lock:
+                    uploaded += len(view)
+            else:
+                with counter_lock:
+                    deduplicated += len(view)
         if progress:
-            progress(len(view))
-        return ChunkRef(cid, len(view), stored_size, codec, tuple(blocks))
+            progress(span.length)
+        return ChunkRef(cid, span.length, stored_size, codec, tuple(blocks))
 
     with cf.ThreadPoolExecutor(settings.parallelism, thread_name_prefix="ctj-upload") as pool:
         for staged in files:
@@ -126,8 +127,8 @@ def upload_rank(
                 )
                 refs = _run_bounded(
                     pool,
-                    [view[s.offset : s.end] for s in spans],
-                    one_chunk,
+                    spans,
+                    lambda span, view=view: one_chunk(view, span),
                     limit=settings.parallelism * 2,
                 )
                 entries[staged.name] = FileEntry(len(view), tuple(refs))
@@ -147,19 +148,19 @@ def upload_rank(
 
 def _run_bounded(
     pool: cf.ThreadPoolExecutor,
-    views: list[memoryview],
-    fn: Callable[[memoryview], ChunkRef],
+    spans: list[chunking.Span],
+    fn: Callable[[chunking.Span], ChunkRef],
     *,
     limit: int,
 ) -> list[ChunkRef]:
-    """fn over views in order, at most ``limit`` in flight; the first error cancels the rest."""
-    results: list[ChunkRef | None] = [None] * len(views)
+    """fn over spans in order, at most ``limit`` in flight; the first error cancels the rest."""
+    results: list[ChunkRef | None] = [None] * len(spans)
     pending: dict[cf.Future[ChunkRef], int] = {}
     try:
-        for i, view in enumerate(views):
+        for i, span in enumerate(spans):
             if len(pending) >= limit:
                 _drain_one(pending, results)
-            pending[pool.submit(fn, view)] = i
+            pending[pool.submit(fn, span)] = i
         while pending:
             _drain_one(pending, results)
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -160,3 +161,37 @@ def stock_load_of_export(args: dict[str, Any]) -> None:
     whole = torch.load(args["torch_save"], weights_only=False)
     assert_bitwise_equal(whole["model"], want)
     assert whole["extra"] == {"step": args["step"], "pos": 7}
+
+
+def save_and_freeze(args: dict[str, Any]) -> None:
+    """Stage a save for the sidecar, write the reference, signal, and wait to be killed."""
+    model, opt = build(args["kind"], seed=0)
+    train(model, opt, 2)
+    Checkpointer(config(args)).save(
+        args["step"], model=model, optimizer=opt, extra={"step": args["step"], "pos": 7}
+    )
+    ref = full_state(model, opt)
+    if dist.get_rank() == 0:
+        torch.save(ref, args["ref"])
+    dist.barrier()
+    with open(f"{args['marker']}.{dist.get_rank()}", "w") as f:
+        f.write("staged")
+    threading.Event().wait()  # until SIGKILL
+
+
+def train_until_preempted(args: dict[str, Any]) -> None:
+    """A training loop that saves once, at the next step boundary after SIGTERM, and exits."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    ckpt = Checkpointer(config(args))
+    ckpt.handle_sigterm()
+    for step in range(1, 100_000):
+        with torch.no_grad():
+            model.weight.add_(0.001)
+        print(f"step {step}", flush=True)
+        if ckpt.preemption_requested():
+            ckpt.save(step, model=model, extra={"step": step}).result()
+            print(f"emergency checkpoint at step {step}", flush=True)
+            ckpt.close()
+            return
+        time.sleep(0.01)

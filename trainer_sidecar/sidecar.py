@@ -1,0 +1,82 @@
+"""The sidecar daemon: persists what the pod's trainer processes stage.
+
+It runs beside the trainer in the pod (``ctj sidecar``), sharing the
+memory-backed staging volume. It uploads every staged checkpoint of every rank
+in the pod and, for rank 0, commits the manifest once all ranks' parts are in
+the store. It does not depend on the trainer being alive: a checkpoint staged
+just before the trainer crashed still commits. On SIGTERM it stops taking new
+work, finishes what is staged within the grace, and exits; past the grace it
+leaves staged checkpoints for its next start and commits nothing partial.
+
+Serves /metrics, /healthz (the persist loop is alive) and /readyz (the store
+answered) when given a port.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+from . import __version__, staging
+from .config import CheckpointConfig, job_staging_dir
+from .errors import CheckpointError
+from .metrics import CheckpointMetrics, serve
+from .persist import Persister
+from .store_s3 import S3Settings, open_store
+
+log = logging.getLogger("ctj.sidecar")
+
+
+def run(config: CheckpointConfig, *, metrics_port: int | None, grace_s: float) -> int:
+    store = open_store(
+        config.uri, S3Settings.from_env(endpoint_url=config.endpoint_url, region=config.region)
+    )
+    root = job_staging_dir(config)
+    root.mkdir(parents=True, exist_ok=True)
+    metrics = CheckpointMetrics()
+    persister = Persister(store, config, root=root, metrics=metrics, versions={"ctj": __version__})
+    stop = threading.Event()
+    ready = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info(
+            "got %s: finishing staged checkpoints (grace %.1fs)",
+            signal.Signals(signum).name,
+            grace_s,
+        )
+        persister.shutdown(stop, grace_s)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server = None
+    if metrics_port is not None:
+        server = serve(metrics_port, metrics, healthy=lambda: not stop.is_set(), ready=ready.is_set)
+        log.info("serving /metrics, /healthz, /readyz on port %d", server.server_address[1])
+    log.info("persisting %s staged under %s to %s", config.mode, root, config.uri)
+
+    delay = 0.5
+    while not stop.is_set() and not ready.is_set():
+        try:
+            persister.publish_latest()
+            ready.set()
+        except CheckpointError as exc:  # the store is not there yet: say so, keep trying
+            log.error("%s (retrying)", exc)
+            stop.wait(delay)
+            delay = min(delay * 2, 10.0)
+    started = time.monotonic()
+    persister.run(stop, grace_s=grace_s)
+    left = [s.step for _, s in staging.pending(root)]
+    if server is not None:
+        server.shutdown()
+    if left:
+        log.warning(
+            "exiting with steps %s staged but not committed (after %.1fs)",
+            sorted(set(left)),
+            time.monotonic() - started,
+        )
+        return 1
+    log.info("exiting: nothing left staged")
+    return 0
