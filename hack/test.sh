@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source hack/env.sh
 set -euo pipefail
+hack/system-tools.sh                # promtool
 if [ -x hack/cluster-binaries.sh ]; then
   hack/cluster-binaries.sh          # Kubernetes control plane + helm, cached by version
 fi

@@ -3,16 +3,40 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from trainer_sidecar.config import default_staging_root
 from trainer_sidecar.local_s3 import LocalS3, free_port, wait_for_port
 
 __all__ = ["ROOT", "free_port", "wait_for_port"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def promtool_check(exposition: str) -> subprocess.CompletedProcess[str]:
+    """Prometheus's own checker over a /metrics body (hack/system-tools.sh installs it)."""
+    if shutil.which("promtool") is None:
+        pytest.fail("promtool is missing: run hack/system-tools.sh (or ./hack/test.sh)")
+    return subprocess.run(
+        ["promtool", "check", "metrics"], input=exposition, text=True, capture_output=True
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _staging_cleanup() -> Iterator[None]:
+    """Staging buffers live in /dev/shm: remove the ones this session's jobs left behind."""
+    root = Path(default_staging_root())
+    before = set(root.iterdir()) if root.exists() else set()
+    yield
+    if root.exists():
+        for job_dir in set(root.iterdir()) - before:
+            shutil.rmtree(job_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, promtool_check
 from tests.integration.ranks import run_ranks, spawn_ranks
 from trainer_sidecar import CheckpointConfig, Checkpointer
 from trainer_sidecar import repository as repo
@@ -210,9 +210,7 @@ def test_sidecar_serves_health_and_metrics(
     assert re.search(r"^ctj_checkpoint_upload_seconds_count 1\.0$", text, re.M)
     assert re.search(r"^ctj_checkpoint_last_committed_step 1\.0$", text, re.M)
     assert re.search(r'^ctj_checkpoint_bytes_total\{kind="uploaded"\} [1-9]', text, re.M)
-    check = subprocess.run(
-        ["promtool", "check", "metrics"], input=text, text=True, capture_output=True
-    )
+    check = promtool_check(text)
     assert check.returncode == 0, check.stdout + check.stderr
 
 
