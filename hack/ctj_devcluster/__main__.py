@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -61,12 +62,19 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     gpus = {args.gpu_resource: str(args.gpus)} if args.gpus else {}
+    entrypoints = {}
+    for item in args.image_entrypoint:
+        repository, sep, command = item.partition("=")
+        if not sep or not command.strip():
+            raise SystemExit(f"--image-entrypoint {item!r}: expected REPOSITORY=COMMAND")
+        entrypoints[repository] = shlex.split(command)
     cluster = Cluster(
         ClusterConfig(
             root=root,
             nodes=args.nodes,
             node_extended_resources=gpus,
             node_monitor_grace_period=args.node_grace,
+            image_entrypoints=entrypoints,
         )
     )
     try:
@@ -105,6 +113,7 @@ def up(args: argparse.Namespace) -> int:
         f"--gpus={args.gpus}",
         f"--gpu-resource={args.gpu_resource}",
         f"--node-grace={args.node_grace}",
+        *(f"--image-entrypoint={e}" for e in args.image_entrypoint),
     ]
     log = root / "devcluster.log"
     with open(log, "ab") as out:
@@ -180,6 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=10.0,
         help="seconds without heartbeats before a node is NotReady",
+    )
+    parser.add_argument(
+        "--image-entrypoint",
+        action="append",
+        default=[],
+        metavar="REPOSITORY=COMMAND",
+        help="command for containers of this image that give none (there are no images "
+        "here), e.g. ghcr.io/ctj/operator='python -m ctj_operator'; repeatable",
     )
     parser.add_argument(
         "--foreground", action="store_true", help="up: run in this terminal until Ctrl-C"

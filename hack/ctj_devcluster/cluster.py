@@ -39,6 +39,8 @@ class ClusterConfig:
     node_cpu: str = "4"
     node_memory: str = "8Gi"
     node_extended_resources: dict[str, str] = field(default_factory=dict)
+    image_entrypoints: dict[str, list[str]] = field(default_factory=dict)
+    """Image repository -> command, for containers without a command (see NodeAgentConfig)."""
     node_monitor_grace_period: float = 10.0
     node_monitor_period: float = 1.0
     start_timeout: float = 90.0
@@ -230,6 +232,7 @@ class Cluster:
             "cpu": self.config.node_cpu,
             "memory": self.config.node_memory,
             "extended_resources": dict(self.config.node_extended_resources),
+            "image_entrypoints": dict(self.config.image_entrypoints),
             **overrides,
         }
         serving = cp.node_serving_cert(name, f"{self.net}.{index}.1")

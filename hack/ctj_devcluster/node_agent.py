@@ -67,6 +67,9 @@ class NodeAgentConfig:
     extended_resources: dict[str, str] = field(default_factory=dict)
     """e.g. {"nvidia.com/gpu": "2"}: advertised capacity, nothing more."""
     labels: dict[str, str] = field(default_factory=dict)
+    image_entrypoints: dict[str, list[str]] = field(default_factory=dict)
+    """Image repository -> command, for containers that rely on their image's ENTRYPOINT
+    (e.g. a Helm chart's operator Deployment): there are no images here."""
     lease_duration_seconds: int = 40
     lease_renew_interval: float = 1.0
     status_update_interval: float = 10.0

@@ -224,7 +224,7 @@ class PodWorker:
                 get_config_map=self.agent.pod_api.get_config_map,
                 node_allocatable=self.agent.allocatable,
             )
-            argv = podspec.container_argv(c.spec, env)
+            argv = podspec.container_argv(c.spec, env, self.agent.config.image_entrypoints)
             mounts = volumes.container_mounts(c.spec, self._volume_paths)
         except ConfigError as exc:
             c.waiting_reason, c.waiting_message = "CreateContainerConfigError", str(exc)

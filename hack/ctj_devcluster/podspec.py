@@ -161,15 +161,33 @@ def container_env(
     return env
 
 
-def container_argv(container: Obj, env: Mapping[str, str]) -> list[str]:
-    """command + args with $(VAR) expanded. The image is ignored: there is no image, so a
-    container must name its command (``python`` resolves to the node's venv)."""
+def image_repository(image: str) -> str:
+    """``registry:5000/ns/name:tag@sha256:...`` -> ``registry:5000/ns/name``."""
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)
+    if ":" in last[-1]:
+        name = name[: name.rfind(":")]
+    return name
+
+
+def container_argv(
+    container: Obj,
+    env: Mapping[str, str],
+    entrypoints: Mapping[str, Sequence[str]] | None = None,
+) -> list[str]:
+    """command + args with $(VAR) expanded. There is no image to run, so a container must
+    name its command (``python`` resolves to the node's venv), or its image's repository
+    must be in ``entrypoints`` (the stand-in for the image's ENTRYPOINT, e.g.
+    ``{"ghcr.io/ctj/operator": ["python", "-m", "ctj_operator"]}``)."""
     command: Sequence[str] = container.get("command") or []
     args: Sequence[str] = container.get("args") or []
     if not command:
+        command = (entrypoints or {}).get(image_repository(container.get("image") or ""), [])
+    if not command:
         raise ConfigError(
-            f"container {container['name']!r} has no command: the local node runs commands "
-            "as host processes and cannot use an image's entrypoint"
+            f"container {container['name']!r} has no command and its image "
+            f"{container.get('image')!r} has no local entrypoint: the local node runs "
+            "commands as host processes"
         )
     return [expand(str(a), env) for a in [*command, *args]]
 

@@ -104,6 +104,30 @@ def test_argv_needs_a_command_and_expands_args() -> None:
 
 
 @pytest.mark.parametrize(
+    ("image", "repository"),
+    [
+        ("ghcr.io/ctj/operator:0.1.0", "ghcr.io/ctj/operator"),
+        ("localhost:5000/trainer", "localhost:5000/trainer"),
+        ("python@sha256:abc", "python"),
+        ("reg:5000/a/b:1@sha256:abc", "reg:5000/a/b"),
+    ],
+)
+def test_image_repository(image: str, repository: str) -> None:
+    assert podspec.image_repository(image) == repository
+
+
+def test_an_image_entrypoint_stands_in_for_a_missing_command() -> None:
+    container = {"name": "op", "image": "ghcr.io/ctj/operator:0.1", "args": ["--ns=$(NS)"]}
+    entrypoints = {"ghcr.io/ctj/operator": ["python", "-m", "ctj_operator"]}
+    assert podspec.container_argv(container, {"NS": "x"}, entrypoints) == [
+        "python",
+        "-m",
+        "ctj_operator",
+        "--ns=x",
+    ]
+
+
+@pytest.mark.parametrize(
     ("policy", "code", "restart"),
     [
         ("Always", 0, True),
