@@ -28,10 +28,12 @@ if [ ! -f "$CTJ_VENV/.complete" ]; then
   touch "$CTJ_VENV/.complete"
 fi
 
-if [ "$(cat "$CTJ_VENV/.checkout" 2>/dev/null)" != "$_ctj_root" ]; then
+_ctj_install="$_ctj_root $(sha256sum "$_ctj_root/pyproject.toml" | cut -c1-12)"
+if [ "$(cat "$CTJ_VENV/.checkout" 2>/dev/null)" != "$_ctj_install" ]; then
   "$CTJ_VENV/bin/pip" install --disable-pip-version-check -q --no-deps --no-build-isolation \
-      -e "$_ctj_root" >&2
-  echo "$_ctj_root" > "$CTJ_VENV/.checkout"
+      -e "$_ctj_root" >"$CTJ_CACHE/editable-install.log" 2>&1 \
+    || { cat "$CTJ_CACHE/editable-install.log" >&2; return 1; }
+  echo "$_ctj_install" > "$CTJ_VENV/.checkout"
 fi
 # shellcheck disable=SC1091
 source "$CTJ_VENV/bin/activate"

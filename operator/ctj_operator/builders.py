@@ -1,0 +1,235 @@
+"""Pure builders of the objects the operator creates: Service, pods, PyTorchJob.
+
+Each returns a plain dict ready for the Kubernetes API. The pods get the
+environment a Kubeflow PyTorchJob gives (MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
+RANK, PET_*), so training scripts run unchanged, plus the checkpoint sidecar
+(a native sidecar: an init container that keeps running) and the memory-backed
+staging volume they share. Credentials only ever travel as secretKeyRefs.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from .spec import GROUP, VERSION, JobSpec
+
+LABEL_JOB = f"{GROUP}/job-name"
+LABEL_ATTEMPT = f"{GROUP}/attempt"
+LABEL_RANK = f"{GROUP}/node-rank"
+LABEL_WORLD = f"{GROUP}/world-size"
+MASTER_PORT = 29500
+METRICS_PORT = 9400
+STAGING_PATH = "/ctj/staging"
+DEFAULT_SIDECAR_IMAGE = "ctj-trainer:latest"
+
+
+def pod_name(job: str, attempt: int, node_rank: int) -> str:
+    return f"{job}-a{attempt}-{node_rank}"
+
+
+def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
+    meta = body["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "CheckpointedTrainingJob",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def build_service(body: dict[str, Any]) -> dict[str, Any]:
+    """Headless, so every pod of the gang gets <pod>.<job>.<ns>.svc DNS names."""
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "labels": {LABEL_JOB: name},
+            "ownerReferences": [owner_reference(body)],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: name},
+            "ports": [{"name": "c10d", "port": MASTER_PORT}],
+        },
+    }
+
+
+def _storage_env(spec: JobSpec, uri: str) -> list[dict[str, Any]]:
+    ck = spec.checkpoint
+    env: list[dict[str, Any]] = [
+        {"name": "CTJ_CHECKPOINT_URI", "value": uri},
+        {"name": "CTJ_CHECKPOINT_MODE", "value": ck.mode},
+        {"name": "CTJ_CHECKPOINT_FULL_EVERY", "value": str(ck.full_every)},
+        {"name": "CTJ_CHECKPOINT_KEEP_LAST", "value": str(ck.keep_last)},
+        {"name": "CTJ_STAGING_DIR", "value": STAGING_PATH},
+        {"name": "CTJ_SIDECAR", "value": "1"},
+    ]
+    if ck.endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": ck.endpoint})
+    if ck.credentials_secret:
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            env.append(
+                {
+                    "name": key,
+                    "valueFrom": {"secretKeyRef": {"name": ck.credentials_secret, "key": key}},
+                }
+            )
+    return env
+
+
+def _merge_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
+    """Ours win over the template's for the same name; the template's others stay."""
+    ours = {e["name"] for e in env}
+    container["env"] = [e for e in container.get("env") or [] if e["name"] not in ours] + env
+
+
+def _sidecar(spec: JobSpec, uri: str) -> dict[str, Any]:
+    sidecar: dict[str, Any] = {
+        "name": "ctj-sidecar",
+        "image": spec.checkpoint.sidecar_image or DEFAULT_SIDECAR_IMAGE,
+        "command": [
+            "python",
+            "-m",
+            "trainer_sidecar",
+            "sidecar",
+            "--metrics-port",
+            str(METRICS_PORT),
+        ],
+        "restartPolicy": "Always",  # a native sidecar: outlives nothing, stops after the trainer
+        "env": _storage_env(spec, uri),
+        "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
+        "volumeMounts": [{"name": "ctj-staging", "mountPath": STAGING_PATH}],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": METRICS_PORT}},
+        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": False},
+    }
+    if spec.checkpoint.sidecar_resources:
+        sidecar["resources"] = spec.checkpoint.sidecar_resources
+    return sidecar
+
+
+def _trainer_pod_spec(spec: JobSpec, uri: str, extra_env: list[dict[str, Any]]) -> dict[str, Any]:
+    pod_spec = copy.deepcopy(spec.template.get("spec") or {})
+    trainer = pod_spec["containers"][0]
+    _merge_env(
+        trainer,
+        _storage_env(spec, uri)
+        + [{"name": "CTJ_SAVE_EVERY", "value": str(spec.checkpoint.interval_steps)}]
+        + extra_env,
+    )
+    trainer.setdefault("volumeMounts", []).append(
+        {"name": "ctj-staging", "mountPath": STAGING_PATH}
+    )
+    pod_spec["initContainers"] = list(pod_spec.get("initContainers") or []) + [_sidecar(spec, uri)]
+    pod_spec.setdefault("volumes", []).append(
+        {
+            "name": "ctj-staging",
+            "emptyDir": {"medium": "Memory", "sizeLimit": spec.checkpoint.staging_size_limit},
+        }
+    )
+    pod_spec["restartPolicy"] = "Never"  # the gang restarts as a whole, at a new world size
+    return pod_spec
+
+
+def build_pod(
+    body: dict[str, Any], spec: JobSpec, *, uri: str, attempt: int, world_size: int, node_rank: int
+) -> dict[str, Any]:
+    job = body["metadata"]["name"]
+    name = pod_name(job, attempt, node_rank)
+    master = f"{pod_name(job, attempt, 0)}.{job}"
+    nproc = spec.nproc_per_node
+    torch_env = {
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(MASTER_PORT),
+        "WORLD_SIZE": str(world_size * nproc),
+        "RANK": str(node_rank * nproc),
+        "NODE_RANK": str(node_rank),
+        "PET_MASTER_ADDR": master,
+        "PET_MASTER_PORT": str(MASTER_PORT),
+        "PET_NNODES": str(world_size),
+        "PET_NPROC_PER_NODE": str(nproc),
+        "PET_NODE_RANK": str(node_rank),
+        "CTJ_ATTEMPT": str(attempt),
+    }
+    pod_spec = _trainer_pod_spec(spec, uri, [{"name": k, "value": v} for k, v in torch_env.items()])
+    pod_spec["hostname"] = name
+    pod_spec["subdomain"] = job
+    # one node rank per node: losing a node loses one rank, not several
+    pod_spec.setdefault("affinity", {})["podAntiAffinity"] = {
+        "requiredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "labelSelector": {"matchLabels": {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt)}},
+                "topologyKey": "kubernetes.io/hostname",
+            }
+        ]
+    }
+    template_meta = spec.template.get("metadata") or {}
+    labels = dict(template_meta.get("labels") or {})
+    labels.update(
+        {
+            LABEL_JOB: job,
+            LABEL_ATTEMPT: str(attempt),
+            LABEL_RANK: str(node_rank),
+            LABEL_WORLD: str(world_size),
+        }
+    )
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": labels,
+            "annotations": dict(template_meta.get("annotations") or {}),
+            "ownerReferences": [owner_reference(body)],
+        },
+        "spec": pod_spec,
+    }
+
+
+def build_pytorchjob(
+    body: dict[str, Any], spec: JobSpec, *, uri: str, attempt: int, world_size: int
+) -> dict[str, Any]:
+    """The same attempt as a Kubeflow PyTorchJob (its controller sets MASTER_*/RANK)."""
+    job = body["metadata"]["name"]
+    pod_spec = _trainer_pod_spec(spec, uri, [{"name": "CTJ_ATTEMPT", "value": str(attempt)}])
+    pod_spec["containers"][0]["name"] = "pytorch"  # the name PyTorchJob requires
+    labels = {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt), LABEL_WORLD: str(world_size)}
+    template = {"metadata": {"labels": labels}, "spec": pod_spec}
+    replicas: dict[str, Any] = {
+        "Master": {"replicas": 1, "restartPolicy": "Never", "template": template}
+    }
+    if world_size > 1:
+        replicas["Worker"] = {
+            "replicas": world_size - 1,
+            "restartPolicy": "Never",
+            "template": copy.deepcopy(template),
+        }
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {
+            "name": f"{job}-a{attempt}",
+            "labels": labels,
+            "ownerReferences": [owner_reference(body)],
+        },
+        "spec": {
+            "nprocPerNode": str(spec.nproc_per_node),
+            "runPolicy": {"cleanPodPolicy": "All", "backoffLimit": 0},
+            "pytorchReplicaSpecs": replicas,
+        },
+    }
+
+
+def pytorchjob_phase(pytorchjob: dict[str, Any]) -> str:
+    """Read a PyTorchJob's status back as Running | Succeeded | Failed | Pending."""
+    conditions = (pytorchjob.get("status") or {}).get("conditions") or []
+    true = [c["type"] for c in conditions if c.get("status") == "True"]
+    for phase in ("Succeeded", "Failed", "Running"):
+        if phase in true:
+            return phase
+    return "Pending"
