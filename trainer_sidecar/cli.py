@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -178,7 +179,8 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     config = CheckpointConfig.from_env(**overrides)
     port = args.metrics_port if args.metrics_port is not None else config.metrics_port
     grace = args.grace if args.grace is not None else config.shutdown_grace_s
-    return sidecar.run(config, metrics_port=port, grace_s=grace)
+    host = args.metrics_host or os.environ.get("CTJ_METRICS_HOST") or "0.0.0.0"
+    return sidecar.run(config, metrics_port=port, grace_s=grace, metrics_host=host)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,10 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sc.add_argument("--uri", help="checkpoint location (default: CTJ_CHECKPOINT_URI)")
     sc.add_argument("--staging-dir", help="staging root shared with the trainer (CTJ_STAGING_DIR)")
-    sc.add_argument("--metrics-port", type=int,
-                    help="serve /metrics, /healthz, /readyz (default: CTJ_METRICS_PORT; 0 = any)")
-    sc.add_argument("--grace", type=float,
-                    help="seconds to finish staged work after SIGTERM (CTJ_SHUTDOWN_GRACE_S, 25)")
+    sc.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve /metrics, /healthz, /readyz (default: CTJ_METRICS_PORT; 0 = any)",
+    )
+    sc.add_argument(
+        "--metrics-host", help="address to serve on (default: CTJ_METRICS_HOST, the pod IP, or all)"
+    )
+    sc.add_argument(
+        "--grace",
+        type=float,
+        help="seconds to finish staged work after SIGTERM (CTJ_SHUTDOWN_GRACE_S, 25)",
+    )
     sc.set_defaults(fn=cmd_sidecar)
     ck = top.add_parser("checkpoints", help="inspect and manage a job's checkpoints")
     sub = ck.add_subparsers(dest="action", required=True)

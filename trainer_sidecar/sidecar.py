@@ -30,7 +30,13 @@ from .store_s3 import S3Settings, open_store
 log = logging.getLogger("ctj.sidecar")
 
 
-def run(config: CheckpointConfig, *, metrics_port: int | None, grace_s: float) -> int:
+def run(
+    config: CheckpointConfig,
+    *,
+    metrics_port: int | None,
+    grace_s: float,
+    metrics_host: str = "0.0.0.0",
+) -> int:
     store = open_store(
         config.uri, S3Settings.from_env(endpoint_url=config.endpoint_url, region=config.region)
     )
@@ -53,7 +59,13 @@ def run(config: CheckpointConfig, *, metrics_port: int | None, grace_s: float) -
     signal.signal(signal.SIGINT, on_signal)
     server = None
     if metrics_port is not None:
-        server = serve(metrics_port, metrics, healthy=lambda: not stop.is_set(), ready=ready.is_set)
+        server = serve(
+            metrics_port,
+            metrics,
+            healthy=lambda: not stop.is_set(),
+            ready=ready.is_set,
+            host=metrics_host,
+        )
         log.info("serving /metrics, /healthz, /readyz on port %d", server.server_address[1])
     log.info("persisting %s staged under %s to %s", config.mode, root, config.uri)
 

@@ -72,7 +72,15 @@ class S3Settings:
 
 
 class S3Store:
-    def __init__(self, location: Location, settings: S3Settings) -> None:
+    def __init__(
+        self,
+        location: Location,
+        settings: S3Settings,
+        *,
+        credentials: dict[str, str] | None = None,
+    ) -> None:
+        """``credentials`` (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) override the chain:
+        the operator reads a job's Secret; everything else uses the standard chain."""
         self.bucket = location.bucket
         self.prefix = f"{location.prefix}/" if location.prefix else ""
         self.where = f"{location} at {settings.endpoint_url or 'AWS'}"
@@ -92,7 +100,11 @@ class S3Store:
             or os.environ.get("AWS_DEFAULT_REGION")
             or "us-east-1"
         )
-        session = boto3.session.Session()
+        creds = credentials or {}
+        session = boto3.session.Session(
+            aws_access_key_id=creds.get("AWS_ACCESS_KEY_ID"),
+            aws_secret_access_key=creds.get("AWS_SECRET_ACCESS_KEY"),
+        )
         self._s3 = session.client(
             "s3", endpoint_url=settings.endpoint_url, region_name=region, config=config
         )

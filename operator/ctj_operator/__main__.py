@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from typing import Any
 
@@ -62,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         settings.scanning.disabled = True  # no CRD/namespace watching: least privilege
 
     if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig
 
         @kopf.on.login()
-        def login(**_: Any) -> kopf.ConnectionInfo | None:
-            return kopf.login_with_kubeconfig()  # type: ignore[no-any-return]
+        def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+            return kopf.login_with_kubeconfig(**kwargs)  # reads KUBECONFIG when called
 
     from prometheus_client import start_http_server
 

@@ -24,6 +24,11 @@ STAGING_PATH = "/ctj/staging"
 DEFAULT_SIDECAR_IMAGE = "ctj-trainer:latest"
 
 
+def master_port(attempt: int) -> int:
+    """A fresh rendezvous port per attempt: a straggler of an old attempt can never join."""
+    return MASTER_PORT + attempt % 1000
+
+
 def pod_name(job: str, attempt: int, node_rank: int) -> str:
     return f"{job}-a{attempt}-{node_rank}"
 
@@ -102,7 +107,8 @@ def _sidecar(spec: JobSpec, uri: str) -> dict[str, Any]:
             str(METRICS_PORT),
         ],
         "restartPolicy": "Always",  # a native sidecar: outlives nothing, stops after the trainer
-        "env": _storage_env(spec, uri),
+        "env": _storage_env(spec, uri)
+        + [{"name": "CTJ_METRICS_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
         "volumeMounts": [{"name": "ctj-staging", "mountPath": STAGING_PATH}],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": METRICS_PORT}},
@@ -145,12 +151,12 @@ def build_pod(
     nproc = spec.nproc_per_node
     torch_env = {
         "MASTER_ADDR": master,
-        "MASTER_PORT": str(MASTER_PORT),
+        "MASTER_PORT": str(master_port(attempt)),
         "WORLD_SIZE": str(world_size * nproc),
         "RANK": str(node_rank * nproc),
         "NODE_RANK": str(node_rank),
         "PET_MASTER_ADDR": master,
-        "PET_MASTER_PORT": str(MASTER_PORT),
+        "PET_MASTER_PORT": str(master_port(attempt)),
         "PET_NNODES": str(world_size),
         "PET_NPROC_PER_NODE": str(nproc),
         "PET_NODE_RANK": str(node_rank),

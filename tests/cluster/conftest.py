@@ -82,3 +82,7 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     )
     yield name
     core.delete_namespace(name)
+
+
+# the operator tier's fixtures (3-node cluster with the CRD, the operator process)
+from tests.cluster.operator_env import job_namespace, op_cluster, operator  # noqa: E402, F401
