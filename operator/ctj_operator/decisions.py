@@ -54,6 +54,7 @@ class Decision:
     counts_as_failure: bool = False
     requeue_after: float | None = None
     capacity_since: float | None = None  # the new value to record
+    not_before: float | None = None  # restart: no new attempt before this time (backoff)
 
 
 def usable_nodes(nodes: Sequence[NodeView]) -> int:
@@ -136,7 +137,13 @@ def decide(
                 message=f"{message}; giving up after {state.restarts} restarts "
                 f"(spec.restartPolicy.maxRestarts={spec.max_restarts})",
             )
-        return Decision("restart", reason=reason, message=message, counts_as_failure=True)
+        return Decision(
+            "restart",
+            reason=reason,
+            message=message,
+            counts_as_failure=True,
+            not_before=now + backoff(spec, state.restarts),
+        )
 
     if pods and all(p.phase == "Succeeded" for p in pods):
         return Decision("succeed", reason="Completed", message="every rank exited 0")

@@ -178,11 +178,6 @@ def apply(
         _patch_status(namespace, name, {"podsCreated": True})
     elif decision.action == "restart":
         restarts = state.restarts + (1 if decision.counts_as_failure else 0)
-        delay = (
-            spec.backoff_seconds * (2 ** max(0, restarts - 1))
-            if decision.counts_as_failure
-            else 0.0
-        )
         failure_seen = (body.get("status") or {}).get("failureSeenAt") or now
         _patch_status(
             namespace,
@@ -190,7 +185,7 @@ def apply(
             {
                 "phase": "Restarting",
                 "restarts": restarts,
-                "notBefore": now + min(delay, 300.0),
+                "notBefore": decision.not_before,
                 "failureSeenAt": failure_seen,
                 "podsCreated": False,
                 "conditions": _condition("Restarting", decision.reason, decision.message),
