@@ -23,7 +23,6 @@ from tqdm import tqdm
 
 from . import repository as repo
 from .errors import CheckpointError, NoCheckpointError
-from .export import export_dcp, export_torch_save
 from .manifest import Manifest
 from .objectstore import ObjectStore
 from .store_s3 import S3Settings, open_store
@@ -155,6 +154,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_dcp, export_torch_save  # torch: only for this command
+
     store = _store(args)
     m = _manifest(store, args.step)
     with _progress(m.logical_bytes, f"export {m.step}") as update:
