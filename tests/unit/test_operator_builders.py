@@ -1,0 +1,167 @@
+"""The objects the operator creates, built without a cluster: what a trainer pod sees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from ctj_operator import builders
+from ctj_operator.spec import JobSpec
+
+BODY = {"metadata": {"name": "demo", "namespace": "ml", "uid": "u-1"}}
+URI = "s3://bucket/jobs/ml/demo-u-1"
+
+
+def job_spec(**overrides: Any) -> JobSpec:
+    spec: dict[str, Any] = {
+        "replicas": 3,
+        "maxReplicas": 4,
+        "nprocPerNode": 2,
+        "checkpoint": {
+            "uri": "s3://bucket/jobs",
+            "endpoint": "http://minio:9000",
+            "credentialsSecret": "s3-credentials",
+            "intervalSteps": 25,
+        },
+        "template": {
+            "metadata": {"labels": {"team": "ml"}},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "image": "trainer:1",
+                        "command": ["python", "train.py"],
+                        "env": [
+                            {"name": "CTJ_TOTAL_STEPS", "value": "100"},
+                            {"name": "WORLD_SIZE", "value": "999"},  # ours must win
+                        ],
+                    }
+                ]
+            },
+        },
+    }
+    spec.update(overrides)
+    return JobSpec.parse(spec)
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def pod(node_rank: int = 1, attempt: int = 2, world_size: int = 3) -> dict[str, Any]:
+    return builders.build_pod(
+        BODY, job_spec(), uri=URI, attempt=attempt, world_size=world_size, node_rank=node_rank
+    )
+
+
+def test_pod_gets_the_environment_a_pytorchjob_gives() -> None:
+    env = env_of(pod()["spec"]["containers"][0])
+    master = "demo-a2-0.demo"
+    assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == master
+    assert env["MASTER_PORT"] == env["PET_MASTER_PORT"] == str(builders.master_port(2))
+    assert env["WORLD_SIZE"] == "6"  # 3 nodes x nprocPerNode 2
+    assert env["RANK"] == "2"  # first global rank of node rank 1
+    assert env["PET_NNODES"] == "3" and env["PET_NPROC_PER_NODE"] == "2"
+    assert env["PET_NODE_RANK"] == env["NODE_RANK"] == "1"
+    assert env["CTJ_TOTAL_STEPS"] == "100", "the template's own variables stay"
+    assert [e["name"] for e in pod()["spec"]["containers"][0]["env"]].count("WORLD_SIZE") == 1
+
+
+def test_each_attempt_rendezvous_on_its_own_port() -> None:
+    ports = {env_of(pod(attempt=a)["spec"]["containers"][0])["MASTER_PORT"] for a in (1, 2, 3)}
+    assert len(ports) == 3
+
+
+def test_pod_and_sidecar_get_the_checkpoint_location_and_credentials_only_as_secret_refs() -> None:
+    spec = pod()["spec"]
+    sidecar = spec["initContainers"][-1]
+    for container in (spec["containers"][0], sidecar):
+        env = env_of(container)
+        assert env["CTJ_CHECKPOINT_URI"] == URI
+        assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            assert env[key] == {"secretKeyRef": {"name": "s3-credentials", "key": key}}
+        assert all("value" not in e for e in container["env"] if e["name"].startswith("AWS_S"))
+    assert env_of(spec["containers"][0])["CTJ_SAVE_EVERY"] == "25"
+
+
+def test_sidecar_is_native_and_shares_a_memory_backed_staging_volume() -> None:
+    spec = pod()["spec"]
+    sidecar = spec["initContainers"][-1]
+    assert sidecar["name"] == "ctj-sidecar"
+    assert sidecar["restartPolicy"] == "Always"  # a native sidecar
+    assert sidecar["command"][:4] == ["python", "-m", "trainer_sidecar", "sidecar"]
+    staging = {"name": "ctj-staging", "mountPath": builders.STAGING_PATH}
+    assert staging in sidecar["volumeMounts"]
+    assert staging in spec["containers"][0]["volumeMounts"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "ctj-staging"]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert spec["restartPolicy"] == "Never"
+
+
+def test_pod_identity_labels_dns_and_one_rank_per_node() -> None:
+    p = pod(node_rank=1, attempt=2, world_size=3)
+    meta, spec = p["metadata"], p["spec"]
+    assert meta["name"] == "demo-a2-1"
+    assert meta["labels"] == {
+        "team": "ml",
+        builders.LABEL_JOB: "demo",
+        builders.LABEL_ATTEMPT: "2",
+        builders.LABEL_RANK: "1",
+        builders.LABEL_WORLD: "3",
+    }
+    assert (spec["hostname"], spec["subdomain"]) == ("demo-a2-1", "demo")
+    (term,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["labelSelector"]["matchLabels"] == {
+        builders.LABEL_JOB: "demo",
+        builders.LABEL_ATTEMPT: "2",
+    }
+    (owner,) = meta["ownerReferences"]
+    assert owner["uid"] == "u-1" and owner["controller"] is True
+
+
+def test_service_is_headless_and_owned() -> None:
+    svc = builders.build_service(BODY)
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"] == {builders.LABEL_JOB: "demo"}
+    assert svc["metadata"]["ownerReferences"][0]["kind"] == "CheckpointedTrainingJob"
+
+
+def test_the_template_is_not_mutated() -> None:
+    spec = job_spec()
+    before = repr(spec.template)
+    builders.build_pod(BODY, spec, uri=URI, attempt=1, world_size=3, node_rank=0)
+    builders.build_pytorchjob(BODY, spec, uri=URI, attempt=1, world_size=3)
+    assert repr(spec.template) == before
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_pytorchjob_has_one_master_and_n_minus_one_workers(world_size: int) -> None:
+    job = builders.build_pytorchjob(BODY, job_spec(), uri=URI, attempt=2, world_size=world_size)
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["metadata"]["name"] == "demo-a2"
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1
+    assert replicas.get("Worker", {}).get("replicas", 0) == world_size - 1
+    pod_spec = replicas["Master"]["template"]["spec"]
+    assert pod_spec["containers"][0]["name"] == "pytorch"
+    assert pod_spec["initContainers"][-1]["name"] == "ctj-sidecar"
+    assert job["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+
+
+@pytest.mark.parametrize(
+    ("conditions", "phase"),
+    [
+        ([], "Pending"),
+        ([{"type": "Created", "status": "True"}], "Pending"),
+        ([{"type": "Running", "status": "True"}], "Running"),
+        ([{"type": "Running", "status": "False"}, {"type": "Failed", "status": "True"}], "Failed"),
+        (
+            [{"type": "Running", "status": "False"}, {"type": "Succeeded", "status": "True"}],
+            "Succeeded",
+        ),
+    ],
+)
+def test_pytorchjob_status_reads_back_as_a_phase(
+    conditions: list[dict[str, str]], phase: str
+) -> None:
+    assert builders.pytorchjob_phase({"status": {"conditions": conditions}}) == phase
