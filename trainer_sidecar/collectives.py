@@ -36,7 +36,8 @@ def decided_by_rank0(fn: Callable[[], T], group: Any = None) -> T:
     ok, value = box[0]
     if not ok:
         raise value
-    return value  # type: ignore[no-any-return]
+    result: T = value
+    return result
 
 
 def gather_all(obj: T, group: Any = None) -> list[T]:

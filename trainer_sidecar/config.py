@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,7 @@ class CheckpointConfig:
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> CheckpointConfig:
         """CTJ_CHECKPOINT_URI, CTJ_CHECKPOINT_MODE, ... (the operator sets these in pods)."""
         env = dict(os.environ if env is None else env)
-        names = {
+        names: dict[str, tuple[str, Callable[[str], Any]]] = {
             "uri": ("CTJ_CHECKPOINT_URI", str),
             "mode": ("CTJ_CHECKPOINT_MODE", str),
             "full_every": ("CTJ_CHECKPOINT_FULL_EVERY", int),
@@ -134,9 +135,8 @@ class CheckpointConfig:
                 try:
                     values[field] = typ(env[var])
                 except ValueError:
-                    raise CheckpointError(
-                        f"{var}={env[var]!r} is not a valid {typ.__name__.strip('_')}"
-                    ) from None
+                    kind = getattr(typ, "__name__", "value").strip("_")
+                    raise CheckpointError(f"{var}={env[var]!r} is not a valid {kind}") from None
         values.update(overrides)
         if "uri" not in values:
             raise CheckpointError(

@@ -14,6 +14,7 @@ checkpoint is never visible.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -172,7 +173,7 @@ class Persister:
         to_commit = []
         failed: set[int] = set()
         for slot, staged in work:
-            if self._attempt(staged, "upload", lambda s=slot, st=staged: self.upload(s, st)):
+            if self._attempt(staged, "upload", functools.partial(self.upload, slot, staged)):
                 if staged.rank == 0:
                     to_commit.append(staged)
             else:
@@ -181,7 +182,7 @@ class Persister:
         for staged in to_commit:
             if staged.step in failed:  # a rank of it failed here: no point waiting for it
                 continue
-            self._attempt(staged, "commit", lambda st=staged: self.commit(st))
+            self._attempt(staged, "commit", functools.partial(self.commit, staged))
         return bool(work)
 
     def _attempt(

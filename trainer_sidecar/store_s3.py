@@ -12,9 +12,10 @@ switched off where S3 allows.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import boto3
 import botocore.config
@@ -160,7 +161,8 @@ class S3Store:
         extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"} if byte_range else {}
         try:
             resp = self._s3.get_object(Bucket=self.bucket, Key=self.prefix + key, **extra)
-            return resp["Body"].read()  # type: ignore[no-any-return]
+            data: bytes = resp["Body"].read()
+            return data
         except Exception as exc:  # noqa: BLE001
             raise self._translate(exc, key) from None
 
@@ -177,7 +179,7 @@ class S3Store:
             raise self._translate(exc, prefix) from None
 
     def delete(self, keys: Iterable[str]) -> None:
-        batch: list[str] = []
+        batch: builtins.list[str] = []
         for key in keys:
             batch.append(key)
             if len(batch) == 1000:
@@ -186,7 +188,7 @@ class S3Store:
         if batch:
             self._delete_batch(batch)
 
-    def _delete_batch(self, keys: list[str]) -> None:
+    def _delete_batch(self, keys: Sequence[str]) -> None:
         try:
             self._s3.delete_objects(
                 Bucket=self.bucket,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import logging
 import mmap
 import os
@@ -126,10 +127,7 @@ def upload_rank(
                     pack_size=min(settings.pack_size, settings.chunk_size),
                 )
                 refs = _run_bounded(
-                    pool,
-                    spans,
-                    lambda span, view=view: one_chunk(view, span),
-                    limit=settings.parallelism * 2,
+                    pool, spans, functools.partial(one_chunk, view), limit=settings.parallelism * 2
                 )
                 entries[staged.name] = FileEntry(len(view), tuple(refs))
     part = RankPart(
