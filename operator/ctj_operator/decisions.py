@@ -94,6 +94,18 @@ def attempt_failure(
     return None
 
 
+def lingering_pods(pods: Sequence[PodView], nodes: Sequence[NodeView]) -> list[PodView]:
+    """Pods of the ended attempt still on a live node: the new gang waits for them.
+
+    They hold the node's ports and accelerators, and their node is the only proof that
+    it is alive: a node lost a moment ago still reads Ready until its grace period ends,
+    and counting it would start the new attempt too wide. A pod on a NotReady or deleted
+    node never finishes terminating, so it does not hold the start back.
+    """
+    ready = {n.name for n in nodes if n.ready}
+    return [p for p in pods if p.node_name is not None and p.node_name in ready]
+
+
 def decide(
     spec: JobSpec,
     state: JobState,
@@ -110,6 +122,15 @@ def decide(
     if state.attempt == 0 or state.phase == "Restarting":
         if state.not_before is not None and now < state.not_before:
             return Decision("wait", requeue_after=state.not_before - now)
+        lingering = lingering_pods(pods, nodes)
+        if lingering:
+            return Decision(
+                "wait",
+                reason="TearingDown",
+                message=f"{len(lingering)} pods of attempt {state.attempt} still terminating "
+                f"(first: {lingering[0].name})",
+                requeue_after=1.0,
+            )
         if target < spec.min_replicas:
             return Decision(
                 "wait",

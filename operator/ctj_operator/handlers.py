@@ -52,17 +52,24 @@ def _patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
     )
 
 
-def _condition(kind: str, reason: str, message: str) -> list[dict[str, Any]]:
-    """The job's single summary condition (type = phase), replaced on each transition."""
-    return [
-        {
-            "type": kind,
-            "status": "True",
-            "reason": reason,
-            "message": message,
-            "lastTransitionTime": _now_iso(),
-        }
+def _condition(
+    body: dict[str, Any], kind: str, reason: str, message: str, *, restarted: bool = False
+) -> list[dict[str, Any]]:
+    """The job's conditions: the summary one (type = phase), replaced on each transition,
+    and ``Restarted``, why the last attempt ended, which outlives the restart itself."""
+    summary = {
+        "type": kind,
+        "status": "True",
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": _now_iso(),
+    }
+    if restarted:
+        return [summary, {**summary, "type": "Restarted"}]
+    kept = [
+        c for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == "Restarted"
     ]
+    return [summary, *kept]
 
 
 def _create(fn: Any, *args: Any) -> None:
@@ -88,7 +95,9 @@ def _delete_pods(namespace: str, pods: list[Any]) -> None:
 
 def _fail(body: dict[str, Any], namespace: str, name: str, reason: str, message: str) -> None:
     _patch_status(
-        namespace, name, {"phase": "Failed", "conditions": _condition("Failed", reason, message)}
+        namespace,
+        name,
+        {"phase": "Failed", "conditions": _condition(body, "Failed", reason, message)},
     )
     kopf.warn(body, reason=reason, message=message)
     METRICS.job_phase(namespace, name, "Failed")
@@ -119,6 +128,16 @@ def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, **_: Any) ->
         views = _pytorchjob_views(namespace, name, state)
     now = time.time()
     decision = decide(spec, state, views, node_views(Cluster.core), now)
+    if decision.action not in ("none", "wait") or decision.reason:
+        log.info(
+            "%s/%s attempt %d: %s %s %s",
+            namespace,
+            name,
+            state.attempt,
+            decision.action,
+            decision.reason,
+            decision.message,
+        )
     apply(dict(body), spec, state, decision, uri=uri, pods=current, now=now)
     _observe_progress(dict(body), spec, state, uri, current, status, now)
 
@@ -165,7 +184,7 @@ def apply(
                 "notBefore": None,
                 "capacitySince": None,
                 "selector": f"{builders.LABEL_JOB}={name}",
-                "conditions": _condition("Running", decision.reason, decision.message),
+                "conditions": _condition(body, "Running", decision.reason, decision.message),
             },
         )
         kopf.info(body, reason="AttemptStarted", message=decision.message)
@@ -178,7 +197,10 @@ def apply(
         _patch_status(namespace, name, {"podsCreated": True})
     elif decision.action == "restart":
         restarts = state.restarts + (1 if decision.counts_as_failure else 0)
-        failure_seen = (body.get("status") or {}).get("failureSeenAt") or now
+        # recovery is timed from the first failure a restart answers; a resize is none
+        failure_seen = (body.get("status") or {}).get("failureSeenAt") or (
+            now if decision.counts_as_failure else None
+        )
         _patch_status(
             namespace,
             name,
@@ -188,7 +210,9 @@ def apply(
                 "notBefore": decision.not_before,
                 "failureSeenAt": failure_seen,
                 "podsCreated": False,
-                "conditions": _condition("Restarting", decision.reason, decision.message),
+                "conditions": _condition(
+                    body, "Restarting", decision.reason, decision.message, restarted=True
+                ),
             },
         )
         kopf.event(
@@ -206,7 +230,7 @@ def apply(
             name,
             {
                 "phase": "Succeeded",
-                "conditions": _condition("Succeeded", decision.reason, decision.message),
+                "conditions": _condition(body, "Succeeded", decision.reason, decision.message),
             },
         )
         kopf.info(body, reason="Succeeded", message=decision.message)
@@ -222,7 +246,7 @@ def apply(
                 name,
                 {
                     "phase": state.phase if state.attempt else "Pending",
-                    "conditions": _condition("Waiting", decision.reason, decision.message),
+                    "conditions": _condition(body, "Waiting", decision.reason, decision.message),
                 },
             )
             kopf.warn(body, reason=decision.reason, message=decision.message)
