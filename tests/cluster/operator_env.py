@@ -4,6 +4,7 @@ process (killable), and job manifests that run examples/train_fsdp.py."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -129,18 +130,39 @@ def job_namespace(op_cluster: Cluster, s3_env: dict[str, str]) -> Iterator[str]:
     )
     yield name
     core.delete_namespace(name)
+    # the pods share the host network: the next test's ranks must not meet these
+    wait_for(lambda: not core.list_namespaced_pod(name).items, f"pods of {name} gone", 60)
 
 
-def job_manifest(name: str, s3_uri: str, endpoint: str, **overrides: Any) -> dict[str, Any]:
+FAST_TRAINING = {"CTJ_TOTAL_STEPS": "2000", "CTJ_STEP_DELAY_S": "0.1"}
+"""A checkpoint every 10 steps, about one a second, and no end within a test."""
+
+
+def job_manifest(
+    name: str,
+    s3_uri: str,
+    endpoint: str,
+    *,
+    env: dict[str, str] | None = None,
+    command: list[str] | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
     """examples/job.yaml as a user would adapt it: their bucket, endpoint, and image.
 
     The simulated nodes run commands on this machine, so the image's /app is ROOT.
+    ``env`` overrides the trainer's variables, ``command`` its command; other keyword
+    arguments replace top-level spec fields.
     """
     job = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
     job["metadata"]["name"] = name
     job["spec"]["checkpoint"].update(uri=s3_uri, endpoint=endpoint)
     trainer = job["spec"]["template"]["spec"]["containers"][0]
     trainer["workingDir"] = ROOT
+    if env:
+        kept = [e for e in trainer.get("env") or [] if e["name"] not in env]
+        trainer["env"] = kept + [{"name": k, "value": v} for k, v in env.items()]
+    if command:
+        trainer["command"] = command
     for key, value in overrides.items():
         job["spec"][key] = value
     return job
@@ -156,3 +178,76 @@ def get_job(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
 
 def status(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
     return get_job(cluster, namespace, name).get("status") or {}
+
+
+def create_job(cluster: Cluster, namespace: str, job: dict[str, Any]) -> dict[str, Any]:
+    return custom(cluster).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job)
+
+
+def core(cluster: Cluster) -> client.CoreV1Api:
+    return client.CoreV1Api(cluster.api_client())
+
+
+def job_pods(cluster: Cluster, namespace: str, name: str) -> list[Any]:
+    return (
+        core(cluster)
+        .list_namespaced_pod(namespace, label_selector=f"{GROUP}/job-name={name}")
+        .items
+    )
+
+
+def attempt_of(pod: Any) -> int:
+    return int(pod.metadata.labels[f"{GROUP}/attempt"])
+
+
+def running(cluster: Cluster, namespace: str, name: str, attempt: int, world: int) -> Any:
+    """The status once attempt ``attempt`` runs at ``world`` with all its pods Running."""
+    st = status(cluster, namespace, name)
+    if not (
+        st.get("phase") == "Running"
+        and st.get("attempt") == attempt
+        and st.get("worldSize") == world
+        and st.get("podsCreated")
+    ):
+        return None
+    pods = [p for p in job_pods(cluster, namespace, name) if attempt_of(p) == attempt]
+    ok = len(pods) == world and all(p.status.phase == "Running" for p in pods)
+    return st if ok else None
+
+
+def trainer_events(cluster: Cluster, namespace: str, pod: str) -> list[dict[str, Any]]:
+    """The JSON events examples/train_fsdp.py printed in a pod's trainer container."""
+    try:
+        text = cluster.container_log(namespace, pod, "trainer")
+    except FileNotFoundError:
+        return []
+    events = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue  # a line being written
+    return events
+
+
+def committed_steps(cluster: Cluster, namespace: str, pod: str) -> list[int]:
+    return [e["step"] for e in trainer_events(cluster, namespace, pod) if e["event"] == "committed"]
+
+
+def job_events(cluster: Cluster, namespace: str, name: str) -> list[Any]:
+    """Kubernetes Events about the job (kopf posts one per transition)."""
+    return [
+        e
+        for e in core(cluster).list_namespaced_event(namespace).items
+        if e.involved_object.kind == "CheckpointedTrainingJob" and e.involved_object.name == name
+    ]
+
+
+def metric_value(exposition: str, name: str, labels: str = "") -> float:
+    """One sample of a Prometheus text exposition (0.0 when absent)."""
+    wanted = f"{name}{{{labels}}}" if labels else name
+    for line in exposition.splitlines():
+        if line.startswith(wanted + " "):
+            return float(line.split()[-1])
+    return 0.0
