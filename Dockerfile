@@ -1,0 +1,73 @@
+# syntax=docker/dockerfile:1
+# ctj images. Two targets:
+#   docker build --target operator -t ghcr.io/ctj/operator:0.1.0 .
+#   docker build --target trainer  -t ghcr.io/ctj/trainer:0.1.0 .
+# Versions come from requirements/dev.txt (the one place pins live): each deps stage
+# installs exactly the packages it names, at the version pinned there, and fails if one
+# has no pin. See docs/deploy.md.
+
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+
+# --- dependencies, in a venv per target (copied whole into the final stage) ----------
+
+FROM base AS operator-deps
+# The operator reads checkpoint manifests through trainer_sidecar.repository, hence the
+# store's dependencies; never torch.
+ARG OPERATOR_PACKAGES="kopf kubernetes prometheus-client boto3 blake3 zstandard tqdm numpy"
+COPY requirements/dev.txt /tmp/dev.txt
+RUN set -eu; \
+    for p in $OPERATOR_PACKAGES; do grep -E "^${p}(\[[^]]*\])?==" /tmp/dev.txt \
+      || { echo "no pin for $p in requirements/dev.txt" >&2; exit 1; }; done > /tmp/pins.txt; \
+    python -m venv /opt/venv; \
+    /opt/venv/bin/pip install -r /tmp/pins.txt
+
+FROM base AS trainer-deps
+# torch from PyPI is the CUDA build; for a CPU-only image pass
+#   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_INDEX_URL=https://pypi.org/simple
+ARG TRAINER_PACKAGES="numpy boto3 blake3 zstandard tqdm safetensors prometheus-client"
+COPY requirements/dev.txt /tmp/dev.txt
+RUN set -eu; \
+    grep -E "^torch==" /tmp/dev.txt > /tmp/torch.txt \
+      || { echo "no pin for torch in requirements/dev.txt" >&2; exit 1; }; \
+    for p in $TRAINER_PACKAGES; do grep -E "^${p}(\[[^]]*\])?==" /tmp/dev.txt \
+      || { echo "no pin for $p in requirements/dev.txt" >&2; exit 1; }; done > /tmp/pins.txt; \
+    python -m venv /opt/venv; \
+    /opt/venv/bin/pip install --index-url "$TORCH_INDEX_URL" -r /tmp/torch.txt; \
+    /opt/venv/bin/pip install -r /tmp/pins.txt
+
+# --- final images: the venv, our code in /app, a non-root user --------------------------
+
+FROM base AS runtime
+# A numeric UID, so runAsNonRoot can verify it (the chart runs as 65532 too).
+RUN groupadd --gid 65532 ctj \
+    && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /app --shell /usr/sbin/nologin ctj
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONPATH=/app
+WORKDIR /app
+
+FROM runtime AS operator
+COPY --from=operator-deps /opt/venv /opt/venv
+COPY trainer_sidecar/ /app/trainer_sidecar/
+COPY operator/ctj_operator/ /app/ctj_operator/
+USER 65532:65532
+EXPOSE 8080 8081
+ENTRYPOINT ["python", "-m", "ctj_operator"]
+
+FROM runtime AS trainer
+COPY --from=trainer-deps /opt/venv /opt/venv
+COPY trainer_sidecar/ /app/trainer_sidecar/
+COPY examples/ /app/examples/
+# `ctj ...` as in the README (the same as python -m trainer_sidecar)
+RUN printf '#!/bin/sh\nexec python -m trainer_sidecar "$@"\n' > /usr/local/bin/ctj \
+    && chmod 0755 /usr/local/bin/ctj
+USER 65532:65532
+# No entrypoint: the pod gives the command (the training script, or the sidecar's
+# `python -m trainer_sidecar sidecar ...`).
+CMD ["python"]

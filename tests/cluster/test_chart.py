@@ -1,0 +1,268 @@
+"""charts/ctj with the real helm: lint, render, and install into the real control plane.
+
+Rendering needs only the helm binary (built from its Go module; the tests skip, with
+the build command, where it is missing). The install test uses the session cluster:
+the operator pod is created (so the ServiceAccount, the pod spec and the restricted Pod
+Security Standard are all accepted by the API server) but pinned to no node, because
+the simulated nodes would run its command on this host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from ctj_devcluster import BinariesMissing, Cluster, find_binaries
+from ctj_devcluster.processes import wait_until
+
+from tests.unit.test_chart_files import DASHBOARD, undefined_series
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "ctj"
+CRD_NAME = "checkpointedtrainingjobs.training.ctj.dev"
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`helm(*args)` → CompletedProcess, with private helm homes; no cluster needed."""
+    try:
+        binary = find_binaries().helm
+    except BinariesMissing as exc:
+        pytest.skip(str(exc))
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": str(home / "cache"),
+        "HELM_CONFIG_HOME": str(home / "config"),
+        "HELM_DATA_HOME": str(home / "data"),
+    }
+
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(binary), *args], env=env, capture_output=True, text=True, timeout=60
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}")
+        return proc
+
+    return run
+
+
+def render(helm: Any, *sets: str, namespace: str = "ctj-system") -> dict[tuple[str, str], Any]:
+    """`helm template` → {(kind, name): object}."""
+    args = ["template", "ctj-operator", str(CHART), "-n", namespace]
+    for s in sets:
+        args += ["--set", s]
+    docs = yaml.safe_load_all(helm(*args).stdout)
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs if d}
+
+
+def the(objects: dict[tuple[str, str], Any], kind: str) -> Any:
+    found = [o for (k, _), o in objects.items() if k == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def test_helm_lint_passes(helm: Any) -> None:
+    helm("lint", "--strict", str(CHART))
+    helm(
+        "lint",
+        "--strict",
+        str(CHART),
+        "--set",
+        "serviceMonitor.enabled=true,podMonitor.enabled=true,grafanaDashboard.enabled=false",
+    )
+
+
+def test_defaults_render_the_operator_and_no_service_monitor(helm: Any) -> None:
+    objects = render(helm)
+    kinds = sorted(k for k, _ in objects)
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+    ]
+    # release "ctj-operator" gives deploy/operator-rbac.yaml's names
+    assert ("ServiceAccount", "ctj-operator") in objects
+    deployment = the(objects, "Deployment")
+    assert deployment["metadata"]["namespace"] == "ctj-system"
+    assert deployment["spec"]["replicas"] == 1
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "ctj-operator"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (container,) = pod["containers"]
+    assert container["image"] == "ghcr.io/ctj/operator:0.1.0"
+    assert "command" not in container  # the image's ENTRYPOINT: python -m ctj_operator
+    assert container["args"] == [
+        "--metrics-port=8080",
+        "--liveness-port=8081",
+        "--watch-timeout=60",
+    ]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"metrics": 8080, "liveness": 8081}
+    probe = container["livenessProbe"]["httpGet"]
+    assert probe["path"] == "/healthz" and ports[probe["port"]] == 8081
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["CTJ_SIDECAR_IMAGE"] == "ghcr.io/ctj/trainer:0.1.0"
+    service = the(objects, "Service")
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    assert (
+        service["spec"]["selector"].items()
+        <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+    (subject,) = the(objects, "ClusterRoleBinding")["subjects"]
+    assert subject == {"kind": "ServiceAccount", "name": "ctj-operator", "namespace": "ctj-system"}
+
+
+def test_values_reach_the_operator(helm: Any) -> None:
+    objects = render(
+        helm,
+        "image.tag=dev,sidecarImage.repository=registry.local/trainer,sidecarImage.tag=t1",
+        "operator.watchNamespaces={team-a,team-b}",
+    )
+    (container,) = the(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "ghcr.io/ctj/operator:dev"
+    assert container["args"][-2:] == ["--namespace=team-a", "--namespace=team-b"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["CTJ_SIDECAR_IMAGE"] == "registry.local/trainer:t1"
+
+
+def test_service_monitor_only_when_enabled(helm: Any) -> None:
+    assert not any(k in ("ServiceMonitor", "PodMonitor") for k, _ in render(helm))
+    objects = render(helm, "serviceMonitor.enabled=true")
+    monitor = the(objects, "ServiceMonitor")
+    assert not any(k == "PodMonitor" for k, _ in objects)
+    assert monitor["spec"]["selector"]["matchLabels"] == the(objects, "Service")["spec"]["selector"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["honorLabels"] is True
+    pods = the(render(helm, "podMonitor.enabled=true"), "PodMonitor")
+    assert pods["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+
+
+def test_schema_rejects_bad_values(helm: Any) -> None:
+    for bad in ("replicaCount=2", "image.pullPolicy=Sometimes", "imageTag=typo"):
+        proc = helm("template", "x", str(CHART), "--set", bad, check=False)
+        assert proc.returncode != 0, f"--set {bad} rendered"
+        assert "values don't meet the specifications of the schema" in proc.stderr
+
+
+def test_cluster_role_rules_are_deploy_operator_rbac(helm: Any) -> None:
+    reference = [
+        d for d in yaml.safe_load_all((ROOT / "deploy" / "operator-rbac.yaml").read_text()) if d
+    ]
+    (expected,) = [d for d in reference if d["kind"] == "ClusterRole"]
+    assert the(render(helm), "ClusterRole")["rules"] == expected["rules"]
+    assert not any(k.startswith("ClusterRole") for k, _ in render(helm, "rbac.create=false"))
+
+
+def test_dashboard_config_map(helm: Any) -> None:
+    config_map = the(render(helm), "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config_map["data"]["ctj.json"])
+    assert dashboard == json.loads(DASHBOARD.read_text())
+    assert undefined_series(dashboard) == set()
+    assert not any(k == "ConfigMap" for k, _ in render(helm, "grafanaDashboard.enabled=false"))
+
+
+def _crd_served(cluster: Cluster) -> bool:
+    crd = json.loads(cluster.kubectl("get", "crd", CRD_NAME, "-o", "json").stdout)
+    established = any(
+        c["type"] == "Established" and c["status"] == "True"
+        for c in crd.get("status", {}).get("conditions", [])
+    )
+    # served: the API answers for the resource (discovery included)
+    return established and cluster.kubectl("get", "ctj", "-A", check=False).returncode == 0
+
+
+def test_helm_install_into_the_cluster(cluster: Cluster, tmp_path: Path) -> None:
+    suffix = uuid.uuid4().hex[:6]
+    namespace, release = f"ctj-system-{suffix}", f"ctj-{suffix}"
+    crd_existed = cluster.kubectl("get", "crd", CRD_NAME, check=False).returncode == 0
+    # the restricted Pod Security Standard: the API server rejects a pod that breaks it
+    cluster.kubectl("create", "namespace", namespace)
+    cluster.kubectl(
+        "label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
+    )
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"nodeSelector": {"ctj.dev/test-no-such-node": "true"}}))
+    try:
+        cluster.helm("install", release, str(CHART), "-n", namespace, "-f", str(values))
+        releases = json.loads(cluster.helm("list", "-n", namespace, "-o", "json").stdout)
+        assert [(r["name"], r["status"]) for r in releases] == [(release, "deployed")]
+        # helm installs crds/ only when the CRD is absent; either way it must be served
+        wait_until(lambda: _crd_served(cluster), timeout=30, what=f"CRD {CRD_NAME} served")
+
+        cluster.kubectl("get", "serviceaccount", release, "-n", namespace)
+        cluster.kubectl("get", "clusterrole", release)
+        cluster.kubectl("get", "clusterrolebinding", release)
+        cluster.kubectl("get", "service", f"{release}-metrics", "-n", namespace)
+        cluster.kubectl("get", "configmap", f"{release}-dashboard", "-n", namespace)
+
+        def operator_pod() -> dict[str, Any] | None:
+            pods = json.loads(
+                cluster.kubectl(
+                    "get", "pods", "-n", namespace, "-l",
+                    f"app.kubernetes.io/instance={release}", "-o", "json",
+                ).stdout
+            )["items"]  # fmt: skip
+            return pods[0] if pods else None
+
+        def events() -> str:
+            return cluster.kubectl("get", "events", "-n", namespace, check=False).stdout
+
+        # created by the ReplicaSet: the ServiceAccount exists and the pod is "restricted"
+        pod = wait_until(operator_pod, timeout=30, what="the operator pod", on_timeout=events)
+        assert pod["spec"]["serviceAccountName"] == release
+        wait_until(
+            lambda: any(
+                c["type"] == "PodScheduled" and c["reason"] == "Unschedulable"
+                for c in (operator_pod() or {}).get("status", {}).get("conditions", [])
+            ),
+            timeout=30,
+            what="the operator pod pinned to no node",
+        )
+
+        # the binding gives the operator's ServiceAccount its rules, and nothing more
+        who = f"system:serviceaccount:{namespace}:{release}"
+        for verb, resource, allowed in [
+            ("list", "nodes", "yes"),
+            ("create", "pods", "yes"),
+            ("patch", "checkpointedtrainingjobs.training.ctj.dev/status", "yes"),
+            ("delete", "nodes", "no"),
+            ("list", "secrets", "no"),
+        ]:
+            answer = cluster.kubectl("auth", "can-i", verb, resource, "--as", who, check=False)
+            assert answer.stdout.strip() == allowed, f"{who} {verb} {resource}"
+
+        cluster.helm("uninstall", release, "-n", namespace, "--wait", "--timeout=60s")
+        assert cluster.kubectl("get", "clusterrole", release, check=False).returncode != 0
+        assert cluster.kubectl(
+            "get", "deployment", release, "-n", namespace, check=False
+        ).returncode
+        # helm never deletes CRDs it installed (that would delete every job)
+        cluster.kubectl("get", "crd", CRD_NAME)
+    finally:
+        cluster.helm("uninstall", release, "-n", namespace, check=False)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        if not crd_existed:  # leave the session cluster as we found it
+            cluster.kubectl("delete", "crd", CRD_NAME, "--timeout=60s", check=False)
