@@ -112,7 +112,7 @@ def _sidecar(spec: JobSpec, uri: str) -> dict[str, Any]:
         "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
         "volumeMounts": [{"name": "ctj-staging", "mountPath": STAGING_PATH}],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": METRICS_PORT}},
-        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": False},
+        "securityContext": {"allowPrivilegeEscalation": False},
     }
     if spec.checkpoint.sidecar_resources:
         sidecar["resources"] = spec.checkpoint.sidecar_resources

@@ -119,6 +119,10 @@ def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, **_: Any) ->
     if stale:
         _delete_pods(namespace, stale)  # older attempts never outlive a restart
     current = [p for p in pods if attempt_of(p) == state.attempt]
+    if state.phase == "Restarting" and state.attempt:
+        # the attempt is over: finish tearing it down, were the operator stopped right
+        # after writing Restarting (deletes are idempotent; terminating pods are skipped)
+        _teardown_attempt(dict(body), spec, state.attempt, current)
     views = [
         pod_view(p)
         for p in current
@@ -190,7 +194,7 @@ def apply(
         kopf.info(body, reason="AttemptStarted", message=decision.message)
         _create_attempt(body, spec, uri, attempt, decision.world_size)
         _patch_status(namespace, name, {"podsCreated": True})
-        METRICS.world_size.labels(namespace=namespace, job=name).set(decision.world_size)
+        METRICS.world_size.labels(namespace=namespace, job_name=name).set(decision.world_size)
         METRICS.job_phase(namespace, name, "Running")
     elif decision.action == "create_pods":
         _create_attempt(body, spec, uri, state.attempt, state.world_size)

@@ -21,7 +21,7 @@ class OperatorMetrics:
         self.world_size = Gauge(
             "ctj_job_world_size",
             "Nodes in the job's current attempt.",
-            ["namespace", "job"],
+            ["namespace", "job_name"],  # not "job": Prometheus owns that label
             registry=r,
         )
         self.recovery = Histogram(
