@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             prefix=handlers.GROUP, key="last-handled-configuration"
         )
         settings.scanning.disabled = True  # no CRD/namespace watching: least privilege
+        # a deleted job keeps kopf's finalizer until its reconcile timer has stopped; a
+        # timer caught mid-run is otherwise polled again only after 60 s
+        settings.background.instant_exit_timeout = 0.5
+        settings.background.cancellation_polling = 1.0
 
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig
