@@ -64,8 +64,9 @@ def op_cluster(
 class OperatorProcess:
     """`python -m ctj_operator` against the cluster, its log in a file."""
 
-    def __init__(self, cluster: Cluster, log: Path) -> None:
+    def __init__(self, cluster: Cluster, log: Path, kubeconfig: Path | None = None) -> None:
         self.cluster, self.log = cluster, log
+        self.kubeconfig = kubeconfig or cluster.kubeconfig
         self.metrics_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -76,7 +77,7 @@ class OperatorProcess:
                 "-m",
                 "ctj_operator",
                 "--kubeconfig",
-                str(self.cluster.kubeconfig),
+                str(self.kubeconfig),
                 "--metrics-port",
                 str(self.metrics_port),
                 "--liveness-port",

@@ -1,0 +1,141 @@
+"""Killing the operator in the middle of a restart: started again, it converges.
+
+The operator writes status before acting, so wherever it dies the next one reads
+what was under way and finishes it: no duplicate pods, no pods of an older attempt
+left, the restart counted once. The kills land at the moments that matter: right
+as phase Restarting is written (SIGKILL on seeing it), right as the next attempt is
+written, and exactly between writing Restarting and tearing the gang down (the
+operator is stopped and that status is written for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+import pytest
+from ctj_devcluster import Cluster
+
+from tests.cluster.operator_env import (
+    FAST_TRAINING,
+    GROUP,
+    PLURAL,
+    VERSION,
+    OperatorProcess,
+    attempt_of,
+    core,
+    create_job,
+    custom,
+    job_manifest,
+    job_pods,
+    running,
+    status,
+    wait_for,
+)
+
+pytestmark = pytest.mark.cluster
+
+
+class PodCensus:
+    """Samples the job's pods every 50 ms: the most pods any attempt had at once."""
+
+    def __init__(self, cluster: Cluster, namespace: str, name: str) -> None:
+        self.cluster, self.namespace, self.name = cluster, namespace, name
+        self.most: dict[int, int] = defaultdict(int)
+        self.world: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        api = core(self.cluster)
+        selector = f"{GROUP}/job-name={self.name}"
+        while not self._stop.is_set():
+            per_attempt: dict[int, int] = defaultdict(int)
+            for pod in api.list_namespaced_pod(self.namespace, label_selector=selector).items:
+                attempt = attempt_of(pod)
+                per_attempt[attempt] += 1
+                self.world[attempt] = int(pod.metadata.labels[f"{GROUP}/world-size"])
+            for attempt, n in per_attempt.items():
+                self.most[attempt] = max(self.most[attempt], n)
+            time.sleep(0.05)
+
+    @classmethod
+    @contextlib.contextmanager
+    def watching(cls, cluster: Cluster, namespace: str, name: str) -> Iterator[PodCensus]:
+        census = cls(cluster, namespace, name)
+        census._thread.start()
+        try:
+            yield census
+        finally:
+            census._stop.set()
+            census._thread.join(5)
+
+
+def _phase_is(cluster: Cluster, ns: str, name: str, phase: str, attempt: int) -> bool:
+    st = status(cluster, ns, name)
+    return st.get("phase") == phase and st.get("attempt") == attempt
+
+
+def test_operator_killed_during_restarts_converges_without_duplicates(
+    op_cluster: Cluster,
+    operator: OperatorProcess,
+    job_namespace: str,
+    s3_uri: str,
+    s3_env: dict[str, str],
+) -> None:
+    ns, name = job_namespace, "phoenix"
+    job = job_manifest(
+        name,
+        s3_uri,
+        s3_env["AWS_ENDPOINT_URL"],
+        env=FAST_TRAINING,
+        restartPolicy={"maxRestarts": 5, "backoffSeconds": 0.5},
+    )
+    create_job(op_cluster, ns, job)
+    with PodCensus.watching(op_cluster, ns, name) as census:
+        wait_for(lambda: running(op_cluster, ns, name, 1, 3), "attempt 1 at world size 3", 90)
+
+        # 1. a rank's pod is deleted; SIGKILL the operator as soon as it says Restarting,
+        #    and again as soon as it writes attempt 2
+        core(op_cluster).delete_namespaced_pod(f"{name}-a1-1", ns)
+        wait_for(lambda: _phase_is(op_cluster, ns, name, "Restarting", 1), "Restarting", 30)
+        operator.kill()
+        operator.start()
+        wait_for(lambda: status(op_cluster, ns, name).get("attempt") == 2, "attempt 2", 60)
+        operator.kill()
+        operator.start()
+        st = wait_for(lambda: running(op_cluster, ns, name, 2, 3), "attempt 2 running", 90)
+        assert st["restarts"] == 1, "one failure, counted once"
+
+        # 2. dead exactly between writing Restarting and tearing attempt 2 down
+        operator.kill()
+        custom(op_cluster).patch_namespaced_custom_object_status(
+            GROUP,
+            VERSION,
+            ns,
+            PLURAL,
+            name,
+            {
+                "status": {
+                    "phase": "Restarting",
+                    "restarts": 2,
+                    "podsCreated": False,
+                    "notBefore": time.time(),
+                    "failureSeenAt": time.time(),
+                }
+            },
+        )
+        operator.start()
+        st = wait_for(lambda: running(op_cluster, ns, name, 3, 3), "attempt 3 running", 120)
+        assert st["restarts"] == 2
+        wait_for(
+            lambda: all(attempt_of(p) == 3 for p in job_pods(op_cluster, ns, name)),
+            "no pod of an older attempt left",
+            60,
+        )
+    assert set(census.most) == {1, 2, 3}
+    for attempt, most in census.most.items():
+        assert most <= census.world[attempt], f"attempt {attempt}: {most} pods at once"
