@@ -1,0 +1,149 @@
+"""Least privilege: deploy/operator-rbac.yaml grants exactly the verbs the operator uses,
+and the operator runs with nothing more (its own service account's token)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ctj_devcluster import Cluster
+
+from tests.cluster.operator_env import (
+    FAST_TRAINING,
+    OperatorProcess,
+    create_job,
+    job_manifest,
+    running,
+    status,
+    wait_for,
+)
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.cluster
+RBAC = Path(ROOT) / "deploy" / "operator-rbac.yaml"
+SA = "system:serviceaccount:ctj-system:ctj-operator"
+
+ALLOWED = [
+    ("get", "checkpointedtrainingjobs.training.ctj.dev", ""),
+    ("list", "checkpointedtrainingjobs.training.ctj.dev", ""),
+    ("watch", "checkpointedtrainingjobs.training.ctj.dev", ""),
+    ("patch", "checkpointedtrainingjobs.training.ctj.dev", ""),  # kopf's annotations
+    ("patch", "checkpointedtrainingjobs.training.ctj.dev", "status"),
+    ("list", "pods", ""),
+    ("create", "pods", ""),
+    ("delete", "pods", ""),
+    ("create", "services", ""),
+    ("list", "nodes", ""),
+    ("get", "secrets", ""),  # S3 credentials, to read the last checkpoint
+    ("create", "events", ""),
+    ("get", "pytorchjobs.kubeflow.org", ""),
+    ("create", "pytorchjobs.kubeflow.org", ""),
+    ("delete", "pytorchjobs.kubeflow.org", ""),
+]
+DENIED = [
+    ("update", "pods", ""),
+    ("patch", "pods", ""),
+    ("create", "pods", "exec"),
+    ("delete", "secrets", ""),
+    ("list", "secrets", ""),
+    ("create", "secrets", ""),
+    ("create", "nodes", ""),
+    ("patch", "nodes", ""),
+    ("delete", "services", ""),  # the garbage collector removes them
+    ("delete", "checkpointedtrainingjobs.training.ctj.dev", ""),
+    ("create", "checkpointedtrainingjobs.training.ctj.dev", ""),
+    ("update", "checkpointedtrainingjobs.training.ctj.dev", "status"),
+    ("create", "clusterrolebindings.rbac.authorization.k8s.io", ""),
+    ("create", "deployments.apps", ""),
+    ("create", "serviceaccounts", "token"),
+]
+
+
+@pytest.fixture(scope="module")
+def rbac(op_cluster: Cluster) -> Iterator[None]:
+    # kubectl auth can-i resolves resources by discovery: the PyTorchJob API must exist
+    op_cluster.kubectl("apply", "-f", str(Path(__file__).parent / "data" / "pytorchjob-crd.yaml"))
+    op_cluster.kubectl("create", "namespace", "ctj-system")
+    op_cluster.kubectl("apply", "-f", str(RBAC))
+    yield
+    op_cluster.kubectl("delete", "-f", str(RBAC), "--wait=false", check=False)
+    op_cluster.kubectl("delete", "namespace", "ctj-system", "--wait=false", check=False)
+
+
+def can_i(cluster: Cluster, verb: str, resource: str, subresource: str, ns: str) -> str:
+    args = ["auth", "can-i", f"--as={SA}", verb, resource, "-n", ns]
+    if subresource:
+        args.append(f"--subresource={subresource}")
+    return cluster.kubectl(*args, check=False).stdout.strip()
+
+
+@pytest.mark.parametrize(("verb", "resource", "sub"), ALLOWED)
+def test_each_verb_the_operator_uses_is_allowed(
+    op_cluster: Cluster, rbac: None, verb: str, resource: str, sub: str
+) -> None:
+    assert can_i(op_cluster, verb, resource, sub, "some-team") == "yes"
+
+
+@pytest.mark.parametrize(("verb", "resource", "sub"), DENIED)
+def test_what_it_does_not_use_is_denied(
+    op_cluster: Cluster, rbac: None, verb: str, resource: str, sub: str
+) -> None:
+    assert can_i(op_cluster, verb, resource, sub, "some-team") == "no"
+
+
+def test_the_operator_runs_a_job_with_only_its_service_account(
+    op_cluster: Cluster,
+    rbac: None,
+    job_namespace: str,
+    s3_uri: str,
+    s3_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    token = op_cluster.kubectl(
+        "create", "token", "ctj-operator", "-n", "ctj-system", "--duration=1h"
+    ).stdout.strip()
+    admin = json.loads(Path(op_cluster.kubeconfig).read_text())
+    kubeconfig = tmp_path / "ctj-operator.kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": admin["clusters"],
+                "users": [{"name": "ctj-operator", "user": {"token": token}}],
+                "contexts": [
+                    {
+                        "name": "ctj-operator",
+                        "context": {
+                            "cluster": admin["clusters"][0]["name"],
+                            "user": "ctj-operator",
+                        },
+                    }
+                ],
+                "current-context": "ctj-operator",
+            }
+        )
+    )
+    operator = OperatorProcess(op_cluster, tmp_path / "operator.log", kubeconfig)
+    operator.start()
+    try:
+        ns, name = job_namespace, "least"
+        create_job(
+            op_cluster,
+            ns,
+            job_manifest(name, s3_uri, s3_env["AWS_ENDPOINT_URL"], env=FAST_TRAINING, replicas=2),
+        )
+        wait_for(lambda: running(op_cluster, ns, name, 1, 2), "the job to run", 90)
+        last = wait_for(
+            lambda: status(op_cluster, ns, name).get("lastCheckpoint"),
+            "the last checkpoint in status (the Secret was readable)",
+            60,
+        )
+        assert last["step"] >= 10
+        log = operator.log.read_text()
+        assert "Forbidden" not in log and "403" not in log, log[-3000:]
+    finally:
+        operator.kill()
+        print("---- operator log (tail) ----\n" + operator.log.read_text()[-4000:])
