@@ -38,13 +38,18 @@ def main(argv: list[str] | None = None) -> int:
         "--namespace", action="append", help="watch only these namespaces (default: all)"
     )
     parser.add_argument("--metrics-port", type=int, default=8080)
+    parser.add_argument(
+        "--sidecar-image",
+        default=os.environ.get("CTJ_SIDECAR_IMAGE"),
+        help="checkpoint sidecar image for jobs that name none (default: CTJ_SIDECAR_IMAGE)",
+    )
     parser.add_argument("--watch-timeout", type=float, default=60.0)
     parser.add_argument("--liveness-port", type=int, default=8081)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    Cluster.connect(_api_client(args.kubeconfig))
+    Cluster.connect(_api_client(args.kubeconfig), sidecar_image=args.sidecar_image)
 
     @kopf.on.startup()
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import kopf
 from kubernetes import client
@@ -34,12 +34,20 @@ class Cluster:
     core: client.CoreV1Api
     custom: client.CustomObjectsApi
     checkpoints: CheckpointWatcher
+    sidecar_image: str = builders.DEFAULT_SIDECAR_IMAGE  # for specs that name none
 
     @classmethod
-    def connect(cls, api: client.ApiClient) -> None:
+    def connect(cls, api: client.ApiClient, *, sidecar_image: str | None = None) -> None:
+        if sidecar_image:
+            cls.sidecar_image = sidecar_image
         cls.core = client.CoreV1Api(api)
         cls.custom = client.CustomObjectsApi(api)
         cls.checkpoints = CheckpointWatcher(cls.core)
+
+
+def _event(type_: str, body: dict[str, Any], *, reason: str, message: str) -> None:
+    """A Kubernetes Event on the job (kopf takes its plain body dict as it is)."""
+    kopf.event(cast(kopf.Body, body), type=type_, reason=reason, message=message)
 
 
 def _now_iso() -> str:
@@ -99,15 +107,16 @@ def _fail(body: dict[str, Any], namespace: str, name: str, reason: str, message:
         name,
         {"phase": "Failed", "conditions": _condition(body, "Failed", reason, message)},
     )
-    kopf.warn(body, reason=reason, message=message)
+    _event("Warning", body, reason=reason, message=message)
     METRICS.job_phase(namespace, name, "Failed")
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=1.0, initial_delay=0.0)
-def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, **_: Any) -> None:
+def reconcile(body: kopf.Body, name: str, namespace: str | None, uid: str, **_: Any) -> None:
+    assert namespace is not None  # the CRD is namespaced
     status = dict(body.get("status") or {})
     try:
-        spec = JobSpec.parse(dict(body.get("spec") or {}))
+        spec = JobSpec.parse(dict(body.get("spec") or {}), sidecar_image=Cluster.sidecar_image)
     except SpecError as exc:
         if status.get("phase") != "Failed":
             _fail(dict(body), namespace, name, "InvalidSpec", str(exc))
@@ -191,7 +200,7 @@ def apply(
                 "conditions": _condition(body, "Running", decision.reason, decision.message),
             },
         )
-        kopf.info(body, reason="AttemptStarted", message=decision.message)
+        _event("Normal", body, reason="AttemptStarted", message=decision.message)
         _create_attempt(body, spec, uri, attempt, decision.world_size)
         _patch_status(namespace, name, {"podsCreated": True})
         METRICS.world_size.labels(namespace=namespace, job_name=name).set(decision.world_size)
@@ -219,9 +228,9 @@ def apply(
                 ),
             },
         )
-        kopf.event(
+        _event(
+            "Warning" if decision.counts_as_failure else "Normal",
             body,
-            type="Warning" if decision.counts_as_failure else "Normal",
             reason=decision.reason,
             message=f"restarting: {decision.message}",
         )
@@ -237,7 +246,7 @@ def apply(
                 "conditions": _condition(body, "Succeeded", decision.reason, decision.message),
             },
         )
-        kopf.info(body, reason="Succeeded", message=decision.message)
+        _event("Normal", body, reason="Succeeded", message=decision.message)
         METRICS.job_phase(namespace, name, "Succeeded")
     elif decision.action == "fail":
         _teardown_attempt(body, spec, state.attempt, pods)
@@ -253,7 +262,7 @@ def apply(
                     "conditions": _condition(body, "Waiting", decision.reason, decision.message),
                 },
             )
-            kopf.warn(body, reason=decision.reason, message=decision.message)
+            _event("Warning", body, reason=decision.reason, message=decision.message)
     if decision.action in ("none", "wait") and decision.capacity_since != state.capacity_since:
         _patch_status(namespace, name, {"capacitySince": decision.capacity_since})
 

@@ -60,7 +60,8 @@ class JobSpec:
             raise SpecError(f"spec.backend={self.backend!r}: use pods or pytorchjob")
 
     @classmethod
-    def parse(cls, spec: dict[str, Any]) -> JobSpec:
+    def parse(cls, spec: dict[str, Any], *, sidecar_image: str | None = None) -> JobSpec:
+        """``sidecar_image``: the operator's default when the spec names none."""
         ck = spec.get("checkpoint") or {}
         if not ck.get("uri"):
             raise SpecError("spec.checkpoint.uri is missing: set s3://bucket/prefix")
@@ -81,7 +82,7 @@ class JobSpec:
                 mode=str(ck.get("mode", "incremental")),
                 full_every=int(ck.get("fullEvery", 10)),
                 keep_last=int(ck.get("keepLast", 3)),
-                sidecar_image=ck.get("sidecarImage") or None,
+                sidecar_image=ck.get("sidecarImage") or sidecar_image,
                 sidecar_resources=ck.get("sidecarResources") or None,
                 staging_size_limit=str(ck.get("stagingSizeLimit", "8Gi")),
             ),

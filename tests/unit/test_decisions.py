@@ -130,6 +130,22 @@ RUNNING3 = JobState(phase="Running", attempt=1, world_size=3, pods_created=True)
             10.0,
             ("start", 2, "Started"),
         ),
+        # the ended attempt's pods still on live nodes hold the new gang back
+        (
+            JobState(phase="Restarting", attempt=1, world_size=3),
+            pods(2),
+            nodes(3),
+            0.0,
+            ("wait", 0, "TearingDown"),
+        ),
+        # ... but one stuck on a NotReady node does not, and that node is not counted
+        (
+            JobState(phase="Restarting", attempt=1, world_size=3),
+            [PodView("p2", 2, "Running", "bad0")],
+            nodes(2, not_ready=1),
+            0.0,
+            ("start", 2, "Started"),
+        ),
         # capacity came back: wait out the stabilization window, then grow
         (
             JobState(phase="Running", attempt=2, world_size=2, pods_created=True),
