@@ -14,10 +14,12 @@ _ctj_key="$(cat "$_ctj_root/requirements/dev.txt" | sha256sum | cut -c1-12)"
 CTJ_VENV="$_ctj_cache/venv-py$_ctj_pyver-$_ctj_key"
 export CTJ_CACHE="$_ctj_cache" CTJ_VENV
 
+mkdir -p "$_ctj_cache"
+exec {_ctj_lock}>"$_ctj_cache/.venv.lock"
+flock "$_ctj_lock"  # one build at a time; a second run waits, then finds it built
 if [ ! -f "$CTJ_VENV/.complete" ]; then
   echo "ctj: building the Python environment in $CTJ_VENV (first run only; torch is large)" >&2
   rm -rf "$CTJ_VENV.tmp"
-  mkdir -p "$_ctj_cache"
   "$_ctj_py" -m venv "$CTJ_VENV.tmp"
   "$CTJ_VENV.tmp/bin/pip" install --disable-pip-version-check -q --upgrade pip >&2
   "$CTJ_VENV.tmp/bin/pip" install --disable-pip-version-check --progress-bar off \
@@ -35,6 +37,7 @@ if [ "$(cat "$CTJ_VENV/.checkout" 2>/dev/null)" != "$_ctj_install" ]; then
     || { cat "$CTJ_CACHE/editable-install.log" >&2; return 1; }
   echo "$_ctj_install" > "$CTJ_VENV/.checkout"
 fi
+exec {_ctj_lock}>&-
 # shellcheck disable=SC1091
 source "$CTJ_VENV/bin/activate"
 set +euo pipefail
