@@ -1,0 +1,738 @@
+"""Async saves vs DCP, side by side in one run (issue 3): the stall, host memory, goodput.
+
+Stall (state: default 20 fp32 tensors, 1 GiB in all, FSDP2-sharded over 2 gloo ranks on
+CPU; every row saves the same ``{"model", "extra"}`` state dict, built inside the timed
+region, to the same S3 server). Each row runs in its own pair of rank processes, so its
+memory is its own. Per rank: one warm-up save (our slot and DCP's reused stager allocate
+and touch their buffers on the first save), then ``--repeats`` timed saves; a save's
+upload is waited for outside the timed region, so staging is measured, not back-pressure.
+Figures are the median over repeats of the slowest rank.
+
+* ours: ``Checkpointer.save`` (incremental; in-process persister thread): until it returns.
+  It returns once the state is in the staging slot, so "returned" == "safe to modify".
+* DCP ``save`` (sync) with s3torchconnector's ``S3StorageWriter``: the whole save.
+* DCP ``async_save`` with defaults (the S3StorageWriter is its own BlockingAsyncStager:
+  a fresh CPU copy each save): until it returns.
+* DCP ``async_save`` with a reused ``DefaultStager(StagingOptions(use_pinned_memory=False,
+  use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=False))`` (pinned
+  memory and non-blocking copies need an accelerator): "returned" when it returns,
+  "safe to modify" when its ``staging_completion`` future is done.
+* floor: ``dst.copy_(src)`` of the rank's shards into already-touched buffers, timed
+  just before each save in every row's processes (the floor row is the ours processes').
+
+Memory: ``Pss`` from /proc/self/smaps_rollup (counts shared and mapped pages once, so our
+/dev/shm slot mapped by both the trainer and the uploader is counted once), sampled every
+20 ms outside the timed regions (the copies only add pages, so the sample taken right
+after a save returns sees what it staged) and during uploads. Extra = peak - Pss just
+before the first save; the ratio divides it by the rank's state bytes.
+
+Goodput: a small real training loop (FSDP2 MLP + Adam on 2 ranks, a couple of hundred MB
+of state) in three variants: no checkpoints, ours every K steps, DCP sync saves
+(S3StorageWriter) every K steps. On a shared machine slow spells would favour whichever
+variant ran in calm, so the variants take turns: N / K rounds, each running K steps of
+every variant (rotated order). A save comes after the first step of its K, so our upload
+overlaps the other K - 1; after each of our segments the benchmark waits for that save to
+commit (charged to ours, as "flush"). One warm-up save of each kind comes first (our slot
+allocated and touched, DCP's client made). Goodput = steps / (segments + flushes).
+
+Ratios are ours / anchor, except ``wallclock_reduction_vs_sync`` = 1 - ours / sync
+(higher is better); TARGETS holds each target. ``stall_ratio_vs_dcp_best`` divides by
+DCP's "safe to modify" time (the guarantee our ``save`` gives on return);
+``stall_ratio_vs_dcp_best_returned`` divides by the time its ``async_save`` returned.
+
+Usage:
+
+    source hack/env.sh
+    pip install --no-deps s3torchconnector==1.5.0 s3torchconnectorclient==1.5.0 tenacity==9.2.1
+    python bench/bench_async.py --json /tmp/async.json          # 1 GiB, a few minutes
+    python bench/bench_async.py --quick --json /tmp/quick.json  # smoke run, < 1 minute
+
+s3torchconnector is required here (every DCP row writes through it). Without
+``--endpoint-url`` a moto server is started on loopback for the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_checkpoint import (  # noqa: E402 - the sibling script, importable from bench/
+    COLS,
+    MIB,
+    REGION,
+    StateShape,
+    boto3_client,
+    build_model,
+    create_bucket,
+    engine_info,
+    free_port,
+    local_shards,
+    log,
+    machine,
+    max_over_ranks,
+    project_env,
+    s3_server,
+    s3tc_client_config,
+    timed,
+)
+
+WORLD = 2
+SAMPLE_S = 0.02
+SETTLE_S = 0.3
+STALL_ROWS = ("ours", "dcp_sync", "dcp_async_default", "dcp_async_stager")
+TARGETS: dict[str, tuple[str, float]] = {
+    "stall_ratio_vs_floor": ("<=", 1.2),
+    "stall_ratio_vs_dcp_best": ("<=", 1.0),
+    "extra_memory_ratio": ("<=", 1.1),
+    "goodput_ratio_vs_no_checkpoint": (">=", 0.95),
+    "wallclock_reduction_vs_sync": (">=", 0.20),
+}
+
+
+@dataclasses.dataclass(slots=True)
+class RunTotals:
+    loop: float = 0.0  # seconds in the K-step segments
+    flush: float = 0.0  # seconds waiting, after a segment, for its save to commit
+    saves: int = 0
+    stalls: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MlpShape:
+    hidden: int
+    layers: int
+    batch: int
+    steps: int
+    every: int  # checkpoint every K steps
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def pss_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss in /proc/self/smaps_rollup")
+
+
+class MemorySampler:
+    """Peak Pss of this process, sampled every SAMPLE_S while not paused."""
+
+    def __init__(self) -> None:
+        self.baseline = pss_bytes()
+        self.peak = self.baseline
+        self._running = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="pss-sampler")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._running.wait(0.1):
+                self.sample()
+                time.sleep(SAMPLE_S)
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, pss_bytes())
+
+    def resume(self) -> None:
+        self.sample()
+        self._running.set()
+
+    def pause(self) -> None:
+        self._running.clear()
+        time.sleep(SAMPLE_S * 1.5)  # let a sample in progress finish
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._running.set()
+        self._thread.join()
+        self.sample()
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+# --------------------------------------------------------------------------- stall rows
+
+
+def s3_writer(bucket: str, prefix: str) -> Any:
+    from s3torchconnector.dcp import S3StorageWriter
+
+    return S3StorageWriter(REGION, f"s3://{bucket}/{prefix}", s3client_config=s3tc_client_config())
+
+
+def delete_prefix(bucket: str, prefix: str) -> None:
+    """Rank 0: drop a DCP checkpoint from the server (keeps moto's memory small)."""
+    client = boto3_client()
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    keys = [{"Key": o["Key"]} for page in pages for o in page.get("Contents", [])]
+    for i in range(0, len(keys), 1000):
+        client.delete_objects(Bucket=bucket, Delete={"Objects": keys[i : i + 1000]})
+
+
+class Saver:
+    """One stall row: ``start(step)`` -> (returned_s, safe_s); ``wait()`` until persisted."""
+
+    def __init__(self, row: str, model: Any, args: dict[str, Any]) -> None:
+        self.row, self.model, self.args = row, model, args
+        self.bucket = args["bucket"]
+        self._wait: Callable[[], Any] = lambda: None
+        self.stage_seconds: list[float] = []
+        self.ckpt: Any = None
+        self.stager: Any = None
+        if row == "ours":
+            from trainer_sidecar import CheckpointConfig, Checkpointer
+
+            self.ckpt = Checkpointer(
+                CheckpointConfig(
+                    uri=args["uri"], mode="incremental", keep_last=0, staging_dir=args["staging"]
+                )
+            )
+        if row == "dcp_async_stager":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=False,
+                    use_shared_memory=True,
+                    use_async_staging=True,
+                    use_non_blocking_copy=False,
+                )
+            )
+
+    def prefix(self, step: int) -> str:
+        return f"{self.row}/step-{step}"
+
+    def start(self, step: int) -> tuple[float, float]:
+        import torch.distributed.checkpoint as dcp
+
+        from trainer_sidecar.checkpointer import build_state
+
+        extra = {"step": step}
+        if self.row == "ours":
+            t0 = time.perf_counter()
+            pending = self.ckpt.save(step, model=self.model, extra=extra)
+            took = time.perf_counter() - t0
+            self.stage_seconds.append(pending.stage_seconds)
+            self._wait = pending.result
+            return took, took
+        writer = s3_writer(self.bucket, self.prefix(step))
+        if self.row == "dcp_sync":
+            t0 = time.perf_counter()
+            dcp.save(build_state(self.model, None, extra), storage_writer=writer)
+            took = time.perf_counter() - t0
+            self._wait = lambda: None
+            return took, took
+        if self.row == "dcp_async_default":
+            t0 = time.perf_counter()
+            future = dcp.async_save(build_state(self.model, None, extra), storage_writer=writer)
+            took = time.perf_counter() - t0
+            self._wait = future.result
+            return took, took
+        assert self.row == "dcp_async_stager"
+        t0 = time.perf_counter()
+        response = dcp.async_save(
+            build_state(self.model, None, extra), storage_writer=writer, async_stager=self.stager
+        )
+        returned = time.perf_counter() - t0
+        response.staging_completion.result()
+        safe = time.perf_counter() - t0
+        self._wait = response.upload_completion.result
+        return returned, safe
+
+    def wait(self, step: int) -> None:
+        import torch.distributed as dist
+
+        self._wait()
+        self._wait = lambda: None
+        if self.row != "ours":
+            dist.barrier()  # every rank's part written before it is deleted
+            if dist.get_rank() == 0:
+                delete_prefix(self.bucket, self.prefix(step))
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+        if self.stager is not None:
+            self.stager.close()
+
+
+def median_of_max(values: list[float]) -> tuple[float, list[float]]:
+    """Per repeat the slowest rank, then the median over repeats."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    per_repeat = t.tolist()
+    return statistics.median(per_repeat), per_repeat
+
+
+def run_stall(args: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    shape = StateShape(**args["shape"])
+    row = args["row"]
+    model = build_model(shape)
+    with torch.no_grad():
+        for i, t in enumerate(local_shards(model)):
+            t.normal_(generator=torch.Generator().manual_seed(i * 16 + dist.get_rank()))
+    shards = local_shards(model)
+    state_bytes = sum(t.numel() * t.element_size() for t in shards)
+    floor_dst = [torch.empty_like(t) for t in shards]
+    for d, s in zip(floor_dst, shards, strict=True):
+        d.copy_(s)  # touch the floor's buffers once
+    saver = Saver(row, model, args)
+    sampler = MemorySampler()
+    sampler.resume()
+    floors, returned, safe = [], [], []
+    staged_pss = sampler.baseline
+    try:
+        for step in range(1 + args["repeats"]):
+            warm = step == 0
+            dist.barrier()
+            sampler.pause()
+            t0 = time.perf_counter()
+            for d, s in zip(floor_dst, shards, strict=True):
+                d.copy_(s)
+            floor = time.perf_counter() - t0
+            dist.barrier()
+            if warm:
+                sampler.resume()  # the first save allocates: sample it throughout
+            r, sf = saver.start(step)
+            sampler.resume()
+            if warm:
+                staged_pss = sampler.peak  # what the first save holds once the loop is free
+            saver.wait(step)
+            time.sleep(SETTLE_S)  # rank 0's persister may still be housekeeping after a commit
+            if not warm:
+                floors.append(floor)
+                returned.append(r)
+                safe.append(sf)
+        sampler.pause()
+        staged_bytes = 0
+        if saver.ckpt is not None:
+            from trainer_sidecar.staging import rank_dir
+
+            staged_bytes = dir_bytes(str(rank_dir(saver.ckpt.root, dist.get_rank())))
+    finally:
+        saver.close()
+        sampler.stop()
+    floor_s, floor_all = median_of_max(floors)
+    returned_s, returned_all = median_of_max(returned)
+    safe_s, safe_all = median_of_max(safe)
+    extra = sampler.peak - sampler.baseline
+    out = {
+        "row": row,
+        "returned_seconds": returned_s,
+        "safe_seconds": safe_s,
+        "floor_seconds": floor_s,
+        "returned_per_repeat": returned_all,
+        "safe_per_repeat": safe_all,
+        "floor_per_repeat": floor_all,
+        "state_bytes_per_rank": int(max_over_ranks(state_bytes)),
+        "extra_memory_bytes": int(max_over_ranks(extra)),
+        "extra_memory_ratio": max_over_ranks(extra / state_bytes),
+        "extra_memory_at_return_bytes": int(max_over_ranks(staged_pss - sampler.baseline)),
+        "staging_dir_bytes": int(max_over_ranks(staged_bytes)),
+    }
+    if saver.stage_seconds:
+        out["stage_seconds"], _ = median_of_max(saver.stage_seconds[1:] or saver.stage_seconds)
+    return out
+
+
+# --------------------------------------------------------------------------- goodput
+
+
+def build_mlp(shape: MlpShape) -> tuple[Any, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(shape.layers):
+        layers += [torch.nn.Linear(shape.hidden, shape.hidden), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from trainer_sidecar import CheckpointConfig, Checkpointer
+    from trainer_sidecar.checkpointer import build_state
+
+    shape = MlpShape(**args["mlp"])
+    model, opt = build_mlp(shape)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(shape.batch, shape.hidden, generator=gen)
+    y = torch.randn(shape.batch, shape.hidden, generator=gen)
+
+    def train_step() -> None:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):  # warm-up; creates Adam's state
+        train_step()
+    state_bytes = sum(
+        t.to_local().numel() * t.element_size()
+        for t in [*model.parameters(), *(v for s in opt.state.values() for v in s.values())]
+        if hasattr(t, "to_local")
+    )
+    ckpt = Checkpointer(
+        CheckpointConfig(
+            uri=args["uri"] + "-goodput",
+            mode="incremental",
+            keep_last=2,
+            staging_dir=args["staging"],
+        )
+    )
+    pending: list[Any] = []
+
+    def save_ours(step: int) -> None:
+        pending[:] = [ckpt.save(step, model=model, optimizer=opt, extra={"step": step})]
+
+    def flush_ours() -> None:
+        if pending:
+            pending.pop().result()
+
+    def save_sync(step: int) -> None:
+        writer = s3_writer(args["bucket"], f"goodput-dcp/step-{step}")
+        dcp.save(build_state(model, opt, {"step": step}), storage_writer=writer)
+
+    variants: dict[str, tuple[Callable[[int], None] | None, Callable[[], None] | None]] = {
+        "no_checkpoint": (None, None),
+        "ours": (save_ours, flush_ours),
+        "dcp_sync": (save_sync, None),
+    }
+    totals = {name: RunTotals() for name in variants}
+    step = 0
+
+    def segment(save: Callable[[int], None] | None, stalls: list[float]) -> None:
+        """K steps; a save (if any) after the first, so its upload overlaps the other K - 1."""
+        nonlocal step
+        for i in range(shape.every):
+            step += 1
+            train_step()
+            if save is not None and i == 0:
+                t0 = time.perf_counter()
+                save(step)
+                stalls.append(time.perf_counter() - t0)
+
+    try:
+        save_ours(0)  # warm-up saves: our slot is allocated and touched, DCP's client made
+        flush_ours()
+        save_sync(0)
+        rounds = max(1, shape.steps // shape.every)
+        for r in range(rounds):
+            names = list(variants)
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated order
+                save, flush = variants[name]
+                t = totals[name]
+                t.loop += timed(lambda save=save, t=t: segment(save, t.stalls))[0]
+                if flush is not None:
+                    t.flush += timed(flush)[0]
+                t.saves += save is not None
+    finally:
+        ckpt.close()
+    steps = rounds * shape.every
+    out: dict[str, Any] = {
+        "state_bytes_per_rank": int(max_over_ranks(state_bytes)),
+        "rounds": rounds,
+        "steps_per_run": steps,
+    }
+    for name, t in totals.items():
+        out[name] = {
+            "loop_seconds": t.loop,
+            "flush_seconds": t.flush,
+            "total_seconds": t.loop + t.flush,
+            "steps_per_second": steps / (t.loop + t.flush),
+            "saves": t.saves,
+            "stall_seconds_mean": max_over_ranks(statistics.mean(t.stalls)) if t.stalls else 0.0,
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def worker_main(phase: str, args_path: str) -> None:
+    import torch.distributed as dist
+
+    with open(args_path) as f:
+        args = json.load(f)
+    dist.init_process_group("gloo")
+    try:
+        result = {"stall": run_stall, "goodput": run_goodput}[phase](args)
+        if dist.get_rank() == 0:
+            result["engine"] = engine_info()
+            with open(args["out"], "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(phase: str, args: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """One phase on WORLD rank processes; rank 0's result."""
+    with tempfile.TemporaryDirectory(prefix="ctj-bench-async-") as tmp:
+        args = dict(args, out=os.path.join(tmp, "out.json"))
+        args_path = os.path.join(tmp, "args.json")
+        with open(args_path, "w") as f:
+            json.dump(args, f)
+        port = str(free_port())
+        procs = []
+        for rank in range(WORLD):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
+            rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", phase, args_path]
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
+        outputs = [p.communicate()[0] for p in procs]
+        failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            tails = "\n".join(f"--- rank {r} ---\n{outputs[r][-3000:]}" for r in failed)
+            raise RuntimeError(f"{phase} ({args.get('row', '')}) failed:\n{tails}")
+        with open(args["out"]) as f:
+            return json.load(f)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def ratios(stall: dict[str, dict[str, Any]], goodput: dict[str, Any]) -> dict[str, float]:
+    ours = stall["ours"]
+    best = stall["dcp_async_stager"]
+    none = goodput["no_checkpoint"]["steps_per_second"]
+    return {
+        "stall_ratio_vs_floor": ours["returned_seconds"] / ours["floor_seconds"],
+        "stall_ratio_vs_dcp_best": ours["returned_seconds"] / best["safe_seconds"],
+        "stall_ratio_vs_dcp_best_returned": ours["returned_seconds"] / best["returned_seconds"],
+        "stall_ratio_vs_dcp_async_default": ours["returned_seconds"]
+        / stall["dcp_async_default"]["returned_seconds"],
+        "stall_ratio_vs_dcp_sync": ours["returned_seconds"] / stall["dcp_sync"]["returned_seconds"],
+        "dcp_best_stall_ratio_vs_floor": best["returned_seconds"] / ours["floor_seconds"],
+        "extra_memory_ratio": ours["extra_memory_ratio"],
+        "goodput_ratio_vs_no_checkpoint": goodput["ours"]["steps_per_second"] / none,
+        "dcp_sync_goodput_ratio_vs_no_checkpoint": goodput["dcp_sync"]["steps_per_second"] / none,
+        "wallclock_reduction_vs_sync": 1
+        - goodput["ours"]["total_seconds"] / goodput["dcp_sync"]["total_seconds"],
+    }
+
+
+def judge(values: dict[str, float]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, (op, bound) in TARGETS.items():
+        v = values[name]
+        out[name] = {
+            "value": v,
+            "target": f"{op} {bound}",
+            "met": bool(v <= bound if op == "<=" else v >= bound),
+        }
+    return out
+
+
+STALL_LABELS = {
+    "floor": "floor: copy into touched buffers",
+    "ours": "ours: Checkpointer.save",
+    "dcp_sync": "DCP save (sync, S3StorageWriter)",
+    "dcp_async_default": "DCP async_save, defaults",
+    "dcp_async_stager": "DCP async_save, reused DefaultStager",
+}
+
+
+def table(report: dict[str, Any]) -> str:
+    stall = report["stall"]
+    floor = stall["ours"]["floor_seconds"]
+    lines = [
+        f"{'stall (slowest rank, median)':<40}{'returned s':>11}{'safe s':>9}"
+        f"{'x floor':>9}{'extra mem':>11}",
+        "-" * 80,
+        f"{STALL_LABELS['floor']:<40}{floor:>11.3f}{floor:>9.3f}{1.0:>9.2f}{'':>11}",
+    ]
+    for row in STALL_ROWS:
+        s = stall[row]
+        lines.append(
+            f"{STALL_LABELS[row]:<40}{s['returned_seconds']:>11.3f}{s['safe_seconds']:>9.3f}"
+            f"{s['returned_seconds'] / floor:>9.2f}{s['extra_memory_ratio']:>10.2f}x"
+        )
+    g = report["goodput"]
+    lines += [
+        "",
+        f"{'goodput run':<24}{'loop s':>9}{'flush s':>9}{'total s':>9}{'steps/s':>9}"
+        f"{'saves':>7}{'stall s':>9}",
+        "-" * 76,
+    ]
+    for name in ("no_checkpoint", "ours", "dcp_sync"):
+        r = g[name]
+        lines.append(
+            f"{name:<24}{r['loop_seconds']:>9.2f}{r['flush_seconds']:>9.2f}{r['total_seconds']:>9.2f}"
+            f"{r['steps_per_second']:>9.2f}{r['saves']:>7}{r['stall_seconds_mean']:>9.3f}"
+        )
+    lines += ["", f"{'ratio':<44}{'value':>8}  target    met"]
+    for name, v in report["ratios"].items():
+        t = report["targets"].get(name)
+        mark = f"  {t['target']:<8}  {'yes' if t['met'] else 'NO'}" if t else ""
+        lines.append(f"{name:<44}{v:>8.3f}{mark}")
+    return "\n".join(lines)
+
+
+@contextmanager
+def cleanup(path: str) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def run(opts: argparse.Namespace) -> dict[str, Any]:
+    try:
+        import s3torchconnector.dcp  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        raise SystemExit(
+            f"s3torchconnector is needed for the DCP rows ({exc}); install: pip install "
+            "--no-deps s3torchconnector==1.5.0 s3torchconnectorclient==1.5.0 tenacity==9.2.1"
+        ) from None
+    from trainer_sidecar.config import default_staging_root
+
+    shape = StateShape.for_total(opts.total_mib * MIB, opts.tensors)
+    mlp = MlpShape(opts.hidden, opts.layers, opts.batch, opts.steps, opts.every)
+    started = time.monotonic()
+    load_before = load_average()
+    # a private staging root: test sessions on a shared machine clean up new job dirs under
+    # the default one (tests/conftest.py), which would pull the slots from under this run
+    staging = tempfile.mkdtemp(
+        prefix="ctj-bench-async-", dir=os.path.dirname(default_staging_root())
+    )
+    with s3_server(opts.endpoint_url) as (endpoint, server), cleanup(staging):
+        env = project_env(endpoint)
+        bucket = create_bucket(endpoint)
+        args = {
+            "shape": dataclasses.asdict(shape),
+            "mlp": dataclasses.asdict(mlp),
+            "uri": f"s3://{bucket}/ours",
+            "bucket": bucket,
+            "repeats": opts.repeats,
+            "staging": staging,
+        }
+        log(
+            f"state: {shape.tensors} x ({shape.rows} x {COLS}) fp32 = "
+            f"{shape.total_bytes / MIB:.0f} MiB over {WORLD} ranks; server: {server}"
+        )
+        stall: dict[str, dict[str, Any]] = {}
+        engine: dict[str, Any] = {}
+        for row in STALL_ROWS:
+            log(f"stall: {row}")
+            stall[row] = run_world("stall", dict(args, row=row), env)
+            engine = stall[row].pop("engine")
+        log(f"goodput: {mlp}")
+        goodput = run_world("goodput", args, env)
+        goodput.pop("engine")
+    values = ratios(stall, goodput)
+    return {
+        "command": " ".join(["python", "bench/bench_async.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_seconds": time.monotonic() - started,
+        "load_average": {"before": load_before, "after": load_average()},
+        "config": {
+            "world_size": WORLD,
+            "total_bytes": shape.total_bytes,
+            "tensors": shape.tensors,
+            "tensor_shape": [shape.rows, COLS],
+            "repeats": opts.repeats,
+            "mlp": dataclasses.asdict(mlp),
+            "quick": opts.quick,
+        },
+        "server": server,
+        "engine": engine,
+        "machine": machine(),
+        "stall": stall,
+        "goodput": goodput,
+        "ratios": values,
+        "targets": judge(values),
+    }
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="write the figures and ratios here")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    parser.add_argument("--total-mib", type=int, default=1024, help="stall state (default 1024)")
+    parser.add_argument("--tensors", type=int, default=20, help="tensors in the stall state")
+    parser.add_argument("--repeats", type=int, default=5, help="timed saves per stall row")
+    parser.add_argument("--hidden", type=int, default=1536, help="goodput MLP width")
+    parser.add_argument("--layers", type=int, default=8, help="goodput MLP depth")
+    parser.add_argument("--batch", type=int, default=32, help="goodput batch per rank")
+    parser.add_argument("--steps", type=int, default=40, help="goodput steps per run")
+    parser.add_argument("--every", type=int, default=10, help="checkpoint every K steps")
+    parser.add_argument("--endpoint-url", help="use this S3 server instead of starting moto")
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        opts.total_mib, opts.tensors, opts.repeats = 32, 8, 2
+        opts.hidden, opts.layers, opts.batch, opts.steps, opts.every = 256, 4, 16, 8, 4
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        worker_main(argv[1], argv[2])
+        return 0
+    opts = parse_args(argv)
+    report = run(opts)
+    print(table(report))
+    if not all(t["met"] for t in report["targets"].values()):
+        log("some targets are not met (see the table)")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

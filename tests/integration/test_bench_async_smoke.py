@@ -1,0 +1,96 @@
+"""bench/bench_async.py --quick runs end to end and writes the documented JSON.
+
+Timing ratios are not asserted (they depend on the machine): only that every figure
+is there and is a sane number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+KEYS = {
+    "command",
+    "date",
+    "config",
+    "server",
+    "engine",
+    "machine",
+    "stall",
+    "goodput",
+    "ratios",
+    "targets",
+}
+STALL_ROWS = {"ours", "dcp_sync", "dcp_async_default", "dcp_async_stager"}
+GOODPUT_RUNS = {"no_checkpoint", "ours", "dcp_sync"}
+TARGETS = {
+    "stall_ratio_vs_floor",
+    "stall_ratio_vs_dcp_best",
+    "extra_memory_ratio",
+    "goodput_ratio_vs_no_checkpoint",
+    "wallclock_reduction_vs_sync",
+}
+
+
+def finite(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
+    pytest.importorskip("s3torchconnector.dcp", reason="the DCP rows write through it")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/bench_async.py", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "stall (slowest rank, median)" in proc.stdout
+    report = json.loads(out.read_text())
+
+    assert KEYS <= set(report)
+    assert {"nproc", "mem_gib", "torch"} <= set(report["machine"])
+    assert report["config"]["world_size"] == 2 and report["config"]["quick"] is True
+
+    assert set(report["stall"]) == STALL_ROWS
+    for name, row in report["stall"].items():
+        for key in ("returned_seconds", "safe_seconds", "floor_seconds"):
+            assert finite(row[key]) and row[key] > 0, (name, key)
+        assert row["safe_seconds"] >= row["returned_seconds"], name
+        assert len(row["returned_per_repeat"]) == report["config"]["repeats"], name
+        assert row["state_bytes_per_rank"] > 0, name
+        assert finite(row["extra_memory_ratio"]) and row["extra_memory_ratio"] > 0, name
+    ours = report["stall"]["ours"]
+    assert ours["safe_seconds"] == ours["returned_seconds"]
+    assert ours["staging_dir_bytes"] >= ours["state_bytes_per_rank"]  # one slot: the state
+
+    goodput = report["goodput"]
+    assert GOODPUT_RUNS <= set(goodput)
+    rounds = goodput["rounds"]
+    assert rounds >= 1 and goodput["steps_per_run"] == rounds * report["config"]["mlp"]["every"]
+    for name in GOODPUT_RUNS:
+        run = goodput[name]
+        assert run["loop_seconds"] > 0 and run["steps_per_second"] > 0, name
+        assert run["total_seconds"] >= run["loop_seconds"], name
+        assert run["saves"] == (rounds if name in ("ours", "dcp_sync") else 0), name
+
+    ratios = report["ratios"]
+    assert TARGETS <= set(ratios) and set(report["targets"]) == TARGETS
+    for name, value in ratios.items():
+        assert finite(value), name
+    for name, target in report["targets"].items():
+        assert target["value"] == ratios[name] and isinstance(target["met"], bool), name
+        assert target["target"].split()[0] in ("<=", ">="), name
