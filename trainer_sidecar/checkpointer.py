@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from . import __version__, collectives, repository, staging
@@ -276,6 +277,8 @@ class Checkpointer:
             dcp.save(
                 build_state(model, optimizer, extra),
                 storage_writer=writer,
+                # same layout as last time: ranks skip re-sending and re-merging their plans
+                planner=DefaultSavePlanner(enable_plan_caching=True),
                 process_group=self.group,
             )
         except (Exception, CheckpointException) as exc:
