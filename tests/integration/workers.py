@@ -118,18 +118,30 @@ def load_and_compare(args: dict[str, Any]) -> None:
 
 
 class HangingStore:
-    """A real store that stops dead after ``limit`` puts: a save frozen mid-upload."""
+    """A real store that stops dead once ``limit`` puts have completed: a save frozen
+    mid-upload. Uploads run on several threads, so the marker is written only after
+    the first ``limit`` puts are really stored."""
 
     def __init__(self, inner: Any, limit: int, marker: str) -> None:
-        self.inner, self.limit, self.marker, self.puts = inner, limit, marker, 0
+        self.inner, self.limit, self.marker = inner, limit, marker
+        self.started = self.done = 0
+        self.cond = threading.Condition()
 
     def put(self, key: str, data: Any, *, if_absent: bool = False) -> None:
-        if self.puts >= self.limit:
+        with self.cond:
+            mine = self.started
+            self.started += 1
+        if mine < self.limit:
+            self.inner.put(key, data, if_absent=if_absent)
+            with self.cond:
+                self.done += 1
+                self.cond.notify_all()
+            return
+        with self.cond:
+            self.cond.wait_for(lambda: self.done >= self.limit)
             with open(self.marker, "w") as f:
                 f.write(key)
-            threading.Event().wait()  # until SIGKILL
-        self.puts += 1
-        self.inner.put(key, data, if_absent=if_absent)
+        threading.Event().wait()  # until SIGKILL
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
