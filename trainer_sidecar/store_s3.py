@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import io
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import boto3
 import botocore.config
@@ -70,6 +72,36 @@ class S3Settings:
             env["max_attempts"] = int(os.environ["CTJ_S3_MAX_ATTEMPTS"])
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**env)  # type: ignore[arg-type]
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable file over a memoryview: botocore streams (and re-reads on retry) the
+    staged bytes in place instead of a bytes copy of every in-flight chunk."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view.cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), len(self._view) - self._pos)
+        buffer[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, min(len(self._view), base + offset))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 class S3Store:
@@ -151,8 +183,13 @@ class S3Store:
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
         extra = {"IfNoneMatch": "*"} if if_absent else {}
         try:
+            body = data if isinstance(data, bytes) else _ViewReader(memoryview(data))
             self._s3.put_object(
-                Bucket=self.bucket, Key=self.prefix + key, Body=bytes(data), **extra
+                Bucket=self.bucket,
+                Key=self.prefix + key,
+                Body=body,
+                ContentLength=len(data),
+                **extra,
             )
         except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
             raise self._translate(exc, key) from None
