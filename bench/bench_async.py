@@ -59,7 +59,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -69,7 +68,8 @@ from contextlib import contextmanager
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_checkpoint import (  # noqa: E402 - the sibling script, importable from bench/
+import bench_checkpoint  # noqa: E402 - the sibling script, importable from bench/
+from bench_checkpoint import (  # noqa: E402
     COLS,
     MIB,
     REGION,
@@ -78,7 +78,6 @@ from bench_checkpoint import (  # noqa: E402 - the sibling script, importable fr
     build_model,
     create_bucket,
     engine_info,
-    free_port,
     local_shards,
     log,
     machine,
@@ -521,29 +520,7 @@ def run_world(phase: str, args: dict[str, Any], env: dict[str, str]) -> dict[str
 
 
 def _run_world_once(phase: str, args: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="ctj-bench-async-") as tmp:
-        args = dict(args, out=os.path.join(tmp, "out.json"))
-        args_path = os.path.join(tmp, "args.json")
-        with open(args_path, "w") as f:
-            json.dump(args, f)
-        port = str(free_port())
-        procs = []
-        for rank in range(WORLD):
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
-            rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", phase, args_path]
-            procs.append(
-                subprocess.Popen(
-                    cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-                )
-            )
-        outputs = [p.communicate()[0] for p in procs]
-        failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-        if failed:
-            tails = "\n".join(f"--- rank {r} ---\n{outputs[r][-3000:]}" for r in failed)
-            raise RuntimeError(f"{phase} ({args.get('row', '')}) failed:\n{tails}")
-        with open(args["out"]) as f:
-            return json.load(f)  # type: ignore[no-any-return]
+    return bench_checkpoint.run_world(WORLD, phase, args, env, script=__file__)
 
 
 # --------------------------------------------------------------------------- the report

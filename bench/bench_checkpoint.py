@@ -538,8 +538,10 @@ def s3tc_status() -> str | None:
     return None
 
 
-def run_world(world: int, phase: str, args: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    """Run one phase on ``world`` rank processes; rank 0's result."""
+def run_world(
+    world: int, phase: str, args: dict[str, Any], env: dict[str, str], *, script: str = __file__
+) -> dict[str, Any]:
+    """Run one phase on ``world`` rank processes of ``script --worker``; rank 0's result."""
     with tempfile.TemporaryDirectory(prefix="ctj-bench-") as tmp:
         args = dict(args, out=os.path.join(tmp, "out.json"))
         args_path = os.path.join(tmp, "args.json")
@@ -550,7 +552,7 @@ def run_world(world: int, phase: str, args: dict[str, Any], env: dict[str, str])
         for rank in range(world):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
             rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", phase, args_path]
+            cmd = [sys.executable, os.path.abspath(script), "--worker", phase, args_path]
             procs.append(
                 subprocess.Popen(
                     cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
