@@ -227,7 +227,7 @@ class Checkpointer:
         latest = repository.latest_manifest(self.store, before=step)
         return Committed.of(latest) if latest else None
 
-    def _acquire_slot(self, world: int) -> Path | None:
+    def _acquire_slot(self) -> Path | None:
         slots = self.config.staging_slots
         if self.config.busy_policy == "skip":
             slot = staging.free_slot(self.root, self.rank, slots)
@@ -267,7 +267,7 @@ class Checkpointer:
             ),
             self.group,
         )
-        slot = self._acquire_slot(world)
+        slot = self._acquire_slot()
         if slot is None:
             self.metrics.skipped.inc()
             log.warning("skipped the save of step %d: the previous one is still uploading", step)
