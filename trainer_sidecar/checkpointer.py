@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import pickle
 import signal
 import threading
 import time
@@ -37,13 +38,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from . import __version__, collectives, repository, staging
+from . import __version__, collectives, layout_cache, repository, staging
 from .chunk_reader import ChunkReader
-from .chunking import Span
 from .config import CheckpointConfig, job_staging_dir
 from .dcp_storage import ChunkedStorageReader
 from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, ObjectNotFound
-from .manifest import METADATA_FILE, manifest_key, rank_file_name
+from .layout_cache import SaveReport, SlotState, Staging
+from .manifest import METADATA_FILE, manifest_key
 from .metrics import CheckpointMetrics, serve
 from .objectstore import ObjectStore
 from .persist import Persister
@@ -116,10 +117,13 @@ _OPEN_LOCK = threading.Lock()
 class PendingSave:
     """A staged save. ``result()`` blocks until its checkpoint is committed."""
 
-    def __init__(self, owner: Checkpointer, step: int, started: float, stall: float) -> None:
+    def __init__(
+        self, owner: Checkpointer, step: int, started: float, stall: float, *, replanned: bool
+    ) -> None:
         self.owner = owner
         self.step = step
         self.stage_seconds = stall
+        self.replanned = replanned  # DCP planned it (first save, or a rank's layout changed)
         self._started = started
         self._result: SaveResult | None = None
 
@@ -184,6 +188,8 @@ class Checkpointer:
         self._persister: Persister | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._layout: layout_cache.Layout | None = None  # the last planned save's, reused
+        self._metadata_blob: tuple[tuple[Any, ...], bytes] | None = None  # (values' places, pickle)
         self._server = (
             serve(config.metrics_port, self.metrics) if config.metrics_port is not None else None
         )
@@ -227,20 +233,43 @@ class Checkpointer:
         latest = repository.latest_manifest(self.store, before=step)
         return Committed.of(latest) if latest else None
 
-    def _acquire_slot(self) -> Path | None:
+    def _acquire_slot(self) -> tuple[Path | None, SlotState]:
+        """This rank's free slot (waiting for one under busy_policy "wait"); no collectives."""
         slots = self.config.staging_slots
         if self.config.busy_policy == "skip":
             slot = staging.free_slot(self.root, self.rank, slots)
-            if any(s is None for s in collectives.gather_all(slot, self.group)):
-                return None
-            return slot
+            return slot, SlotState.FREE if slot else SlotState.BUSY
         slot = staging.wait_free_slot(self.root, self.rank, slots, self.config.slot_wait_timeout_s)
-        if slot is None:
-            raise CheckpointError(
-                f"rank {self.rank}: no staging slot freed up within "
-                f"{self.config.slot_wait_timeout_s:.0f}s (is the sidecar running?)"
-            )
-        return slot
+        return slot, SlotState.FREE if slot else SlotState.TIMED_OUT
+
+    def _report(
+        self,
+        step: int,
+        slot: Path | None,
+        slot_state: SlotState,
+        planner: Any,
+        items: tuple[Any, ...],
+    ) -> tuple[SaveReport, list[memoryview]]:
+        """This rank's part of the one exchange before staging, and its serialized values."""
+        layout = self._layout
+        reuse = slot is not None and layout is not None and layout.matches(items)
+        blobs = staging.serialize_bytes(layout.byte_items, planner) if reuse and layout else []
+        placed = (
+            staging.byte_results(self.rank, layout.byte_items, blobs) if reuse and layout else []
+        )
+        plan, error = None, None
+        if self.rank == 0:
+            try:
+                plan = plan_save(
+                    step,
+                    mode=self.config.mode,
+                    full_every=self.config.full_every,
+                    latest=self._latest(step),
+                )
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by decide()
+                error = exc
+        report = SaveReport(self.rank, slot_state, reuse, tuple(placed), plan, error)
+        return report, blobs
 
     def save(
         self,
@@ -254,37 +283,40 @@ class Checkpointer:
 
         Returns None when the save was skipped (``busy_policy="skip"`` and a
         previous save still uploading).
+
+        Collectives: one all-gather (rank 0's plan, every rank's slot and layout),
+        and, only when some rank's layout changed (the first save, new optimizer
+        state), DCP's own planning round.
         """
         started = time.monotonic()
         self._start_persister()
-        world = collectives.world_size(self.group)
-        plan = collectives.decided_by_rank0(
-            lambda: plan_save(
-                step,
-                mode=self.config.mode,
-                full_every=self.config.full_every,
-                latest=self._latest(step),
-            ),
-            self.group,
-        )
-        slot = self._acquire_slot()
-        if slot is None:
+        state = build_state(model, optimizer, extra)
+        planner, items = layout_cache.local_plan(state, is_coordinator=self.rank == 0)
+        slot, slot_state = self._acquire_slot()
+        report, blobs = self._report(step, slot, slot_state, planner, items)
+        copied = None
+        if report.reuse and slot is not None:
+            # copy before the exchange: the usual case, wasted only if another rank replans
+            copied = self._copy_in_layout(slot, planner, blobs)
+            if copied is None:
+                report = dataclasses.replace(report, reuse=False, byte_results=())
+        reports = collectives.gather_all(report, self.group)
+        how, plan = layout_cache.decide(reports, wait_timeout_s=self.config.slot_wait_timeout_s)
+        if how is Staging.SKIP:
             self.metrics.skipped.inc()
             log.warning("skipped the save of step %d: the previous one is still uploading", step)
             return None
-        writer = StagingWriter(slot)
+        assert slot is not None
         try:
-            dcp.save(
-                build_state(model, optimizer, extra),
-                storage_writer=writer,
-                # same layout as last time: ranks skip re-sending and re-merging their plans
-                planner=DefaultSavePlanner(enable_plan_caching=True),
-                process_group=self.group,
-            )
+            if how is Staging.REUSE and copied is not None:
+                files = copied
+                self._write_reused_metadata(slot, reports)
+            else:
+                files = self._replan(slot, state)
         except (Exception, CheckpointException) as exc:
+            self._layout = None
             self.metrics.failures.labels(stage="stage").inc()
             raise CheckpointError(f"staging step {step} failed: {exc}") from exc
-        files: list[tuple[str, tuple[Span, ...]]] = [(rank_file_name(self.rank), writer.extents)]
         if self.rank == 0:
             files.append((METADATA_FILE, ()))
         stall = time.monotonic() - started
@@ -293,7 +325,7 @@ class Checkpointer:
             staging.StagedCheckpoint(
                 step=step,
                 rank=self.rank,
-                world_size=world,
+                world_size=len(reports),
                 plan=plan,
                 files=tuple(files),
                 staged_at=time.time(),
@@ -301,9 +333,48 @@ class Checkpointer:
             ),
         )
         self.metrics.stall.observe(stall)
-        if self._persister is not None:
-            self._persister.wake.set()
-        return PendingSave(self, step, started, stall)
+        # no wake-up for an in-process persister: it polls (every 50 ms), and waking it
+        # here would hand it the GIL before save() returns
+        return PendingSave(self, step, started, stall, replanned=how is Staging.REPLAN)
+
+    def _copy_in_layout(
+        self, slot: Path, planner: Any, blobs: list[memoryview]
+    ) -> staging.StagedFiles | None:
+        """The one copy into the slot, in the last planned layout (None if it failed:
+        this rank then asks for a replan, and DCP reports the failure on every rank)."""
+        layout = self._layout
+        assert layout is not None
+        try:
+            _, files = staging.stage_items(
+                slot, self.rank, layout.tensor_items, layout.byte_items, planner, blobs
+            )
+            return files
+        except OSError as exc:
+            log.warning(
+                "rank %d: copying into the staging slot failed (%s): replanning", self.rank, exc
+            )
+            return None
+
+    def _write_reused_metadata(self, slot: Path, reports: list[SaveReport]) -> None:
+        """The coordinator's .metadata: the planned one, with the values where they lie now."""
+        layout = self._layout
+        if layout is None or layout.metadata is None:  # not the coordinator
+            return
+        placed = tuple(r for report in reports for r in report.byte_results)
+        if self._metadata_blob is None or self._metadata_blob[0] != placed:
+            merged = layout_cache.merged_metadata(layout.metadata, placed)
+            self._metadata_blob = (placed, pickle.dumps(merged))
+        staging.write_metadata(slot, self._metadata_blob[1])
+
+    def _replan(self, slot: Path, state: dict[str, Any]) -> staging.StagedFiles:
+        """A DCP save through the staging writer: it plans, copies, and leaves its layout."""
+        writer = StagingWriter(slot)
+        self._layout, self._metadata_blob = None, None
+        dcp.save(
+            state, storage_writer=writer, planner=DefaultSavePlanner(), process_group=self.group
+        )
+        self._layout = layout_cache.Layout.of(writer)
+        return list(writer.files)
 
     @property
     def metrics_port(self) -> int | None:

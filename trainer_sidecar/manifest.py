@@ -60,8 +60,9 @@ def chunk_key(chunk_id: str, codec: str) -> str:
     return f"{CHUNKS}{chunk_id[:2]}/{chunk_id}{suffix}"
 
 
-def rank_file_name(rank: int) -> str:
-    return f"__{rank}_0.distcp"
+def rank_file_name(rank: int, index: int = 0) -> str:
+    """A rank's data files: 0 holds its tensors, 1 its non-tensor values (if any)."""
+    return f"__{rank}_{index}.distcp"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

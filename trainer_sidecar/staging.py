@@ -8,7 +8,8 @@ the slot is busy until the persister has uploaded it and removed ``ready.json``.
 A trainer killed mid-copy leaves no ``ready.json``: the slot is simply free.
 
     <root>/state.json                     latest commit, written by rank 0's persister
-    <root>/rank-<r>/slot-<k>/__<r>_0.distcp   raw item bytes (see dcp_storage)
+    <root>/rank-<r>/slot-<k>/__<r>_0.distcp   raw tensor bytes, kept mapped (see dcp_storage)
+    <root>/rank-<r>/slot-<k>/__<r>_1.distcp   non-tensor values (DCP's byte streams)
     <root>/rank-<r>/slot-<k>/.metadata        DCP metadata (coordinator's slot only)
     <root>/rank-<r>/slot-<k>/ready.json       the staged checkpoint's description
 
@@ -27,12 +28,13 @@ import pickle
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -208,28 +210,120 @@ def mapped(path: Path) -> _MappedFile:
         return _MAPS[path]
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
     t = tensor.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return (t if t.is_contiguous() else t.contiguous()).reshape(-1)
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src``'s bytes into the uint8 ``dst``, typed where aligned (the faster kernel)."""
+    if dst.storage_offset() % src.element_size() == 0:
+        dst.view(src.dtype).copy_(src)
+    else:
+        dst.copy_(src.view(torch.uint8))
+
+
+StagedFiles = list[tuple[str, tuple[Span, ...]]]  # (file name in the slot, item extents)
+
+
+def file_order(items: Sequence[WriteItem]) -> tuple[tuple[WriteItem, ...], tuple[WriteItem, ...]]:
+    """(tensor items, byte items), each in file order: by name, so a layout is reproducible."""
+    ordered = sorted(items, key=lambda i: str(i.index))
+    return (
+        tuple(i for i in ordered if i.type != WriteItemType.BYTE_IO),
+        tuple(i for i in ordered if i.type == WriteItemType.BYTE_IO),
+    )
+
+
+def serialize_bytes(items: Sequence[WriteItem], planner: SavePlanner) -> list[memoryview]:
+    """The byte items' values as DCP serializes them (torch.save), in order."""
+    out = []
+    for item in items:
+        data = planner.resolve_data(item)
+        assert isinstance(data, io.BytesIO)
+        out.append(data.getbuffer())
+    return out
+
+
+def byte_results(
+    rank: int, items: Sequence[WriteItem], blobs: Sequence[memoryview]
+) -> list[WriteResult]:
+    """Where each byte item lands: end to end in the rank's second data file."""
+    name, offset, results = rank_file_name(rank, 1), 0, []
+    for item, blob in zip(items, blobs, strict=True):
+        results.append(WriteResult(item.index, blob.nbytes, (name, offset, blob.nbytes)))
+        offset += blob.nbytes
+    return results
+
+
+def stage_items(
+    slot: Path,
+    rank: int,
+    tensor_items: Sequence[WriteItem],
+    byte_items: Sequence[WriteItem],
+    planner: SavePlanner,
+    blobs: Sequence[memoryview] | None = None,
+) -> tuple[list[WriteResult], StagedFiles]:
+    """The one copy of a save: tensors into the slot's mapped file, then the small values.
+
+    Tensors go end to end into ``__<r>_0.distcp``, which stays mapped (and its pages
+    touched) while their layout holds; non-tensor values, whose size changes from save
+    to save (a step counter), go to ``__<r>_1.distcp``, so they never move a tensor.
+    """
+    sources = []
+    for item in tensor_items:
+        data = planner.resolve_data(item)
+        assert isinstance(data, torch.Tensor)
+        sources.append(_flat(data))
+    sizes = [t.numel() * t.element_size() for t in sources]
+    name = rank_file_name(rank, 0)
+    buffer = mapped(slot / name).ensure(sum(sizes))
+    results, extents, offset = [], [], 0
+    for item, source, size in zip(tensor_items, sources, sizes, strict=True):
+        if size:
+            _copy_into(buffer[offset : offset + size], source)
+        results.append(WriteResult(item.index, size, (name, offset, size)))
+        extents.append(Span(offset, size))
+        offset += size
+    files: StagedFiles = [(name, tuple(extents))]
+    if byte_items:
+        blobs = serialize_bytes(byte_items, planner) if blobs is None else blobs
+        written = byte_results(rank, byte_items, blobs)
+        with open(slot / rank_file_name(rank, 1), "wb") as f:
+            for blob in blobs:
+                f.write(blob)
+        results += written
+        files.append((rank_file_name(rank, 1), tuple(Span(*r.storage_data[1:]) for r in written)))
+    return results, files
+
+
+def write_metadata(slot: Path, blob: bytes) -> None:
+    """The coordinator's ``.metadata`` (DCP's pickled Metadata), replaced atomically."""
+    tmp = slot / (METADATA_FILE + ".tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, slot / METADATA_FILE)
 
 
 class StagingWriter(StorageWriter):
     """DCP StorageWriter that copies each rank's items into its slot, raw and end to end.
 
     Call order (DCP's): set_up_storage_writer, prepare_local_plan, [coordinator]
-    prepare_global_plan, write_data, [coordinator] finish. ``write_data`` sizes
-    the slot file from the plan, then does the one copy per tensor into the
-    mapped pages; ``finish`` writes ``.metadata``. Item extents are kept on the
-    writer (``extents``) for the uploader's chunk alignment.
+    prepare_global_plan, write_data, [coordinator] finish. ``write_data`` does the
+    one copy (``stage_items``); ``finish`` writes ``.metadata``. What DCP decided is
+    kept on the writer for the next save to reuse (``local_items``, ``tensor_items``,
+    ``byte_items``, ``metadata``), and the staged files with their item extents
+    (``files``) for the uploader's chunk alignment.
     """
 
     def __init__(self, slot: str | os.PathLike[str]) -> None:
         super().__init__()
         self.slot = Path(slot)
         self.rank = 0
-        self.extents: tuple[Span, ...] = ()
+        self.local_items: tuple[WriteItem, ...] = ()
+        self.tensor_items: tuple[WriteItem, ...] = ()
+        self.byte_items: tuple[WriteItem, ...] = ()
+        self.files: StagedFiles = []
+        self.metadata: Metadata | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -239,6 +333,7 @@ class StagingWriter(StorageWriter):
         self.slot.mkdir(parents=True, exist_ok=True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.local_items = tuple(plan.items)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -246,41 +341,18 @@ class StagingWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.rank = int(plan.storage_data)
-        name = rank_file_name(self.rank)
-        # bytes first, then tensors by name: the same state always gives the same layout
-        items = sorted(plan.items, key=lambda i: (i.type != WriteItemType.BYTE_IO, str(i.index)))
-        sources: list[torch.Tensor | memoryview] = []
-        for item in items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                assert isinstance(data, io.BytesIO)
-                sources.append(data.getbuffer())
-            else:
-                assert isinstance(data, torch.Tensor)
-                sources.append(_as_bytes(data))
-        sizes = [s.nbytes if isinstance(s, memoryview) else s.numel() for s in sources]
-        buffer = mapped(self.slot / name).ensure(sum(sizes))
-        results, extents, offset = [], [], 0
-        for item, source, size in zip(items, sources, sizes, strict=True):
-            if size:
-                dst = buffer[offset : offset + size]
-                if isinstance(source, memoryview):
-                    dst.copy_(torch.frombuffer(source, dtype=torch.uint8))
-                else:
-                    dst.copy_(source)
-            results.append(WriteResult(item.index, size, (name, offset, size)))
-            extents.append(Span(offset, size))
-            offset += size
-        self.extents = tuple(extents)
+        self.tensor_items, self.byte_items = file_order(plan.items)
+        results, self.files = stage_items(
+            self.slot, self.rank, self.tensor_items, self.byte_items, planner
+        )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
-        tmp = self.slot / (METADATA_FILE + ".tmp")
-        tmp.write_bytes(pickle.dumps(metadata))
-        os.replace(tmp, self.slot / METADATA_FILE)
+        write_metadata(self.slot, pickle.dumps(metadata))
+        self.metadata = metadata
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -210,3 +210,44 @@ def train_until_preempted(args: dict[str, Any]) -> None:
             ckpt.close()
             return
         time.sleep(0.01)
+
+
+def save_series(args: dict[str, Any]) -> None:
+    """Saves whose layout is new (step 1: the model), changes (step 2: the optimizer joins),
+    then holds while the non-tensor values grow; each save's gathered state is the
+    reference for its step."""
+    model, opt = build(args["kind"], seed=0)
+    ckpt = Checkpointer(config(args))
+    replanned = []
+    for step in range(1, 6):
+        if step > 1:
+            train(model, opt, 1)
+        extra = {"step": step, "note": "x" * (1000 * step)}  # its bytes grow every save
+        pending = ckpt.save(step, model=model, optimizer=opt if step > 1 else None, extra=extra)
+        ref = full_state(model, opt)
+        train(model, opt, 1)  # may touch the parameters as soon as save() returns
+        pending.result()
+        replanned.append(pending.replanned)
+        if dist.get_rank() == 0:
+            torch.save({"state": ref, "extra": extra}, f"{args['ref']}.{step}")
+    ckpt.close()
+    print(f"replanned: {replanned}")
+
+
+def load_series_and_compare(args: dict[str, Any]) -> None:
+    """Every step of save_series loads bitwise equal, non-tensor values included."""
+    for step in range(1, 6):
+        model, opt = build(args["kind"], seed=123)
+        extra: dict[str, Any] = {"step": -1, "note": ""}
+        result = Checkpointer(config(args)).load(
+            model=model, optimizer=opt if step > 1 else None, extra=extra, step=step
+        )
+        assert result is not None and result.step == step, result
+        got = full_state(model, opt)
+        want = torch.load(f"{args['ref']}.{step}", weights_only=True)
+        assert extra == want["extra"], (step, extra["step"], len(extra["note"]))
+        if dist.get_rank() == 0:
+            if step == 1:  # saved without the optimizer
+                got, want["state"] = got["model"], want["state"]["model"]
+            assert_bitwise_equal(got, want["state"])
+    print(f"series bitwise equal at world size {dist.get_world_size()}")
