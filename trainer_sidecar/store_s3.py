@@ -6,16 +6,22 @@ Retries are botocore's "standard" mode: only throttling, 5xx and connection
 errors are retried, with capped, jittered exponential backoff, then raised.
 Every chunk is at most 64 MiB, so each is one PUT; parallelism comes from the
 caller uploading many chunks at once (the chunks are the parts).
-Our own BLAKE3 hashes verify every byte read, so botocore's extra CRC pass is
-switched off where S3 allows.
+Integrity on the way in: every PUT carries a CRC32 of its body
+(x-amz-checksum-crc32, checked by the server) instead of a SHA-256 of the
+body in its signature: four times cheaper on the CPU that trains (the request
+itself is still signed). That is the AWS CRT client's choice too. On the way
+out our own BLAKE3 block hashes verify every byte read, so botocore's response
+checksums stay off.
 """
 
 from __future__ import annotations
 
+import base64
 import builtins
 import dataclasses
 import io
 import os
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -74,6 +80,12 @@ class S3Settings:
         return cls(**env)  # type: ignore[arg-type]
 
 
+def crc32_header(data: bytes | memoryview) -> str:
+    """x-amz-checksum-crc32: base64 of the big-endian CRC32, computed in place (no copy,
+    and without the GIL: zlib releases it for large buffers)."""
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+
+
 class _ViewReader(io.RawIOBase):
     """A seekable file over a memoryview: botocore streams (and re-reads on retry) the
     staged bytes in place instead of a bytes copy of every in-flight chunk."""
@@ -119,12 +131,13 @@ class S3Store:
         self.where = f"{location} at {settings.endpoint_url or 'AWS'}"
         self.settings = settings
         config = botocore.config.Config(
-            s3={"addressing_style": "path"},
+            # body integrity by put()'s CRC32 header, not by hashing the body into the signature
+            s3={"addressing_style": "path", "payload_signing_enabled": False},
             retries={"max_attempts": settings.max_attempts, "mode": "standard"},
             max_pool_connections=settings.max_connections,
             connect_timeout=settings.connect_timeout_s,
             read_timeout=settings.read_timeout_s,
-            request_checksum_calculation="when_required",
+            request_checksum_calculation="when_required",  # put() sends its own CRC32
             response_checksum_validation="when_required",
         )
         region = (
@@ -189,6 +202,7 @@ class S3Store:
                 Key=self.prefix + key,
                 Body=body,
                 ContentLength=len(data),
+                ChecksumCRC32=crc32_header(data),
                 **extra,
             )
         except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
