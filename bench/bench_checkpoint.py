@@ -494,10 +494,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def s3_server(endpoint_url: str | None) -> Iterator[tuple[str, str]]:
-    """(endpoint, description): the given server, or a moto server on loopback."""
+def s3_server(endpoint_url: str | None) -> Iterator[tuple[str, str, int | None]]:
+    """(endpoint, description, pid): the given server (no pid), or a moto server on loopback."""
     if endpoint_url:
-        yield endpoint_url, f"given endpoint {endpoint_url}"
+        yield endpoint_url, f"given endpoint {endpoint_url}", None
         return
     import moto
 
@@ -516,7 +516,7 @@ def s3_server(endpoint_url: str | None) -> Iterator[tuple[str, str]]:
                 if time.monotonic() > deadline:
                     raise TimeoutError("moto server did not start in 60 s") from None
                 time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}", f"moto {moto.__version__} server on loopback"
+        yield f"http://127.0.0.1:{port}", f"moto {moto.__version__} server on loopback", proc.pid
     finally:
         proc.terminate()
         try:
@@ -696,7 +696,7 @@ def create_bucket(endpoint: str) -> str:
 
 def measure(opts: argparse.Namespace, shape: StateShape, s3tc: bool) -> dict[str, Any]:
     """Every phase, at every world size: phases, server and engine measured."""
-    with s3_server(opts.endpoint_url) as (endpoint, server):
+    with s3_server(opts.endpoint_url) as (endpoint, server, _):
         env = project_env(endpoint)
         bucket = create_bucket(endpoint)
         args = {
