@@ -439,7 +439,7 @@ def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
     )
     ckpt = Checkpointer(
         CheckpointConfig(
-            uri=args["uri"] + "-goodput",
+            uri=f"{args['uri']}-goodput-every-{shape.every}",  # each run its own steps
             mode="incremental",
             keep_last=2,
             staging_dir=args["staging"],

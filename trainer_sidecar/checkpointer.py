@@ -141,8 +141,8 @@ class PendingSave:
         deadline = time.monotonic() + limit
         delay = 0.005
         while True:
-            try:
-                manifest = repository.read_manifest(self.owner.store, self.step)
+            try:  # retired too: retention may remove a commit at once (older than the kept)
+                manifest = repository.read_manifest(self.owner.store, self.step, retired_too=True)
                 break
             except NoCheckpointError:
                 failure = self.owner.persist_failure(self.step)
@@ -189,6 +189,7 @@ class Checkpointer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._layout: layout_cache.Layout | None = None  # the last planned save's, reused
+        self._checked_behind = False  # rank 0: _warn_if_behind ran
         self._metadata_blob: tuple[tuple[Any, ...], bytes] | None = None  # (values' places, pickle)
         self._server = (
             serve(config.metrics_port, self.metrics) if config.metrics_port is not None else None
@@ -266,10 +267,28 @@ class Checkpointer:
                     full_every=self.config.full_every,
                     latest=self._latest(step),
                 )
+                self._warn_if_behind(step)
             except Exception as exc:  # noqa: BLE001 - raised on every rank by decide()
                 error = exc
         report = SaveReport(self.rank, slot_state, reuse, tuple(placed), plan, error)
         return report, blobs
+
+    def _warn_if_behind(self, step: int) -> None:
+        """On the first save: warn when saving below the newest checkpoint at this location
+        (a run restarted without load): retention would remove the new ones at once."""
+        if self._checked_behind:
+            return
+        self._checked_behind = True
+        steps = repository.committed_steps(self.store)
+        if steps and steps[-1] > step:
+            log.warning(
+                "saving step %d below the newest checkpoint at %s (step %d): retention keeps "
+                "the highest steps, so this run's checkpoints may be removed as soon as they "
+                "commit. Load before training, or use a new URI for a new run.",
+                step,
+                self.config.uri,
+                steps[-1],
+            )
 
     def save(
         self,
@@ -349,7 +368,7 @@ class Checkpointer:
                 slot, self.rank, layout.tensor_items, layout.byte_items, planner, blobs
             )
             return files
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - never leave the other ranks in the exchange
             log.warning(
                 "rank %d: copying into the staging slot failed (%s): replanning", self.rank, exc
             )
