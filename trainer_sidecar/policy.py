@@ -15,7 +15,7 @@ from .objectstore import ObjectInfo
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Committed:
-    """What planning needs to know of the latest committed checkpoint."""
+    """What planning (the latest commit) and retention (every commit) need of a checkpoint."""
 
     step: int
     base_step: int
@@ -48,13 +48,7 @@ def plan_save(step: int, *, mode: str, full_every: int, latest: Committed | None
     return SavePlan(step, mode, latest.step, latest.base_step, latest.since_full + 1, reference)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ManifestSummary:
-    step: int
-    base_step: int
-
-
-def plan_retention(manifests: Sequence[ManifestSummary], keep_last: int) -> list[int]:
+def plan_retention(manifests: Sequence[Committed], keep_last: int) -> list[int]:
     """Steps to delete so the last ``keep_last`` remain, with every base a kept one names."""
     if keep_last <= 0:
         return []

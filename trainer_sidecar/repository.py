@@ -136,9 +136,9 @@ def apply_retention(store: ObjectStore, keep_last: int) -> list[int]:
     summaries = []
     for step in committed_steps(store):
         try:
-            summaries.append(policy.ManifestSummary(step, read_manifest(store, step).base_step))
-        except CheckpointError:
-            summaries.append(policy.ManifestSummary(step, step))
+            summaries.append(policy.Committed.of(read_manifest(store, step)))
+        except CheckpointError:  # unreadable: keep it only for itself
+            summaries.append(policy.Committed(step, step, 0))
     doomed = policy.plan_retention(summaries, keep_last)
     retire(store, doomed)
     return doomed

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from trainer_sidecar.objectstore import ObjectInfo
-from trainer_sidecar.policy import Committed, ManifestSummary, plan_gc, plan_retention, plan_save
+from trainer_sidecar.policy import Committed, plan_gc, plan_retention, plan_save
 
 
 def manifest(step: int, *, mode: str, base: int, since_full: int) -> Committed:
@@ -71,7 +71,7 @@ def test_plan_save(mode: str, full_every: int, latest: Committed | None, want: t
     ],
 )
 def test_plan_retention(manifests: list[tuple[int, int]], keep: int, doomed: list[int]) -> None:
-    summaries = [ManifestSummary(s, b) for s, b in manifests]
+    summaries = [Committed(s, b, since_full=0) for s, b in manifests]
     assert plan_retention(summaries, keep) == doomed
 
 
