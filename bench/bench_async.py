@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -241,7 +242,10 @@ class Saver:
         return f"{self.row}/step-{step}"
 
     def start(self, step: int) -> tuple[float, float]:
+        from concurrent.futures import Future
+
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
         from trainer_sidecar.checkpointer import build_state
 
@@ -264,6 +268,7 @@ class Saver:
             t0 = time.perf_counter()
             future = dcp.async_save(build_state(self.model, None, extra), storage_writer=writer)
             took = time.perf_counter() - t0
+            assert isinstance(future, Future)  # no async_stager: a plain future
             self._wait = future.result
             return took, took
         assert self.row == "dcp_async_stager"
@@ -272,6 +277,7 @@ class Saver:
             build_state(self.model, None, extra), storage_writer=writer, async_stager=self.stager
         )
         returned = time.perf_counter() - t0
+        assert isinstance(response, AsyncSaveResponse)  # with an async_stager
         response.staging_completion.result()
         safe = time.perf_counter() - t0
         self._wait = response.upload_completion.result
@@ -493,7 +499,7 @@ def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
                 save, flush = variants[name]
                 t = totals[name]
                 cpu, server_cpu = process_cpu_seconds(), server_cpu_seconds()
-                t.loop += timed(lambda save=save, t=t: segment(save, t.stalls))[0]
+                t.loop += timed(functools.partial(segment, save, t.stalls))[0]
                 if flush is not None:
                     t.flush += timed(flush)[0]
                 t.cpu += process_cpu_seconds() - cpu

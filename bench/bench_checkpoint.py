@@ -248,7 +248,7 @@ def make_counting_reader(path: str) -> Any:
     """s3torchconnector's S3StorageReader, recording the saved bytes its plan reads."""
     from s3torchconnector.dcp import S3StorageReader
 
-    class CountingReader(S3StorageReader):  # type: ignore[misc]
+    class CountingReader(S3StorageReader):
         planned_bytes = 0
 
         def prepare_local_plan(self, plan: Any) -> Any:
@@ -564,7 +564,8 @@ def run_world(
             tails = "\n".join(f"--- rank {r} ---\n{outputs[r][-3000:]}" for r in failed)
             raise RuntimeError(f"{phase} at world size {world} failed:\n{tails}")
         with open(args["out"]) as f:
-            return json.load(f)  # type: ignore[no-any-return]
+            result: dict[str, Any] = json.load(f)
+            return result
 
 
 def machine() -> dict[str, Any]:

@@ -16,6 +16,6 @@ cat "$bin_log" >&2
 echo "ctj: ruff" >&2
 ruff check trainer_sidecar operator tests bench hack/ctj_devcluster examples
 echo "ctj: mypy" >&2
-mypy trainer_sidecar operator/ctj_operator hack/ctj_devcluster
+mypy trainer_sidecar operator/ctj_operator hack/ctj_devcluster bench
 echo "ctj: pytest" >&2
 exec python -m pytest -ra "$@"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -29,14 +29,22 @@ def promtool_check(exposition: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _staging_cleanup() -> Iterator[None]:
-    """Staging buffers live in /dev/shm: remove the ones this session's jobs left behind."""
-    root = Path(default_staging_root())
-    before = set(root.iterdir()) if root.exists() else set()
-    yield
-    if root.exists():
-        for job_dir in set(root.iterdir()) - before:
-            shutil.rmtree(job_dir, ignore_errors=True)
+def _private_staging_root() -> Iterator[None]:
+    """Staging buffers live in /dev/shm: this session's jobs (and the rank and sidecar
+    processes they start, through CTJ_STAGING_DIR) stage under a root of their own,
+    removed at the end; other processes' staged checkpoints are never touched."""
+    parent = os.path.dirname(default_staging_root())
+    root = tempfile.mkdtemp(prefix="ctj-test-staging-", dir=parent)
+    before = os.environ.get("CTJ_STAGING_DIR")
+    os.environ["CTJ_STAGING_DIR"] = root
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CTJ_STAGING_DIR", None)
+        else:
+            os.environ["CTJ_STAGING_DIR"] = before
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,10 @@ from .objectstore import Location
 
 
 def default_staging_root() -> str:
-    """Memory-backed where the machine has it (/dev/shm), the temp dir otherwise."""
+    """CTJ_STAGING_DIR if set; else memory-backed where the machine has it (/dev/shm),
+    the temp dir otherwise."""
+    if os.environ.get("CTJ_STAGING_DIR"):
+        return os.environ["CTJ_STAGING_DIR"]
     shm = "/dev/shm"
     base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
     return os.path.join(base, f"ctj-staging-{os.getuid()}")

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from trainer_sidecar import CheckpointConfig, CheckpointError
@@ -63,6 +65,15 @@ def test_config_from_env() -> None:
         CheckpointConfig.from_env(
             {"CTJ_CHECKPOINT_URI": "s3://b/p", "CTJ_CHECKPOINT_KEEP_LAST": "x"}
         )
+
+
+def test_staging_dir_defaults_to_ctj_staging_dir_then_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CTJ_STAGING_DIR", "/mnt/fast/ctj")
+    assert CheckpointConfig(uri="s3://b/p").staging_dir == "/mnt/fast/ctj"
+    monkeypatch.delenv("CTJ_STAGING_DIR")
+    assert CheckpointConfig(uri="s3://b/p").staging_dir.endswith(f"/ctj-staging-{os.getuid()}")
 
 
 def test_manifest_round_trip() -> None:
