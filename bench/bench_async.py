@@ -677,6 +677,22 @@ def load_average() -> list[float]:
         return []
 
 
+def place_server(server_pid: int | None, server_cores: int | None) -> dict[str, Any]:
+    """Give the S3 server cores of its own (the rank processes, started later, inherit the
+    rest), as a remote S3 would not share the trainers' CPUs. ``server_cores`` None: half
+    the cores on a machine with 4 or more, none (everything shares) on smaller ones."""
+    cores = sorted(os.sched_getaffinity(0))
+    if server_cores is None:
+        server_cores = len(cores) // 2 if len(cores) >= 4 else 0
+    if not server_pid or server_cores <= 0 or server_cores >= len(cores):
+        return {"shared": cores}
+    ranks, server = cores[:-server_cores], cores[-server_cores:]
+    os.sched_setaffinity(server_pid, server)
+    os.sched_setaffinity(0, ranks)
+    log(f"cores: ranks {ranks}, S3 server {server}")
+    return {"ranks": ranks, "server": server}
+
+
 def run(opts: argparse.Namespace) -> dict[str, Any]:
     try:
         import s3torchconnector.dcp  # noqa: F401
@@ -697,6 +713,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         prefix="ctj-bench-async-", dir=os.path.dirname(default_staging_root())
     )
     with s3_server(opts.endpoint_url) as (endpoint, server, server_pid), cleanup(staging):
+        placement = place_server(server_pid, opts.server_cores)
         env = project_env(endpoint)
         bucket = create_bucket(endpoint)
         args = {
@@ -749,6 +766,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         "server": server,
         "engine": engine,
         "machine": machine(),
+        "cpu_placement": placement,
         "stall": stall,
         "goodput": goodput,
         "goodput_long": goodput_long,
@@ -776,6 +794,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="also run goodput at this longer interval, reported beside the targets (0: not)",
     )
     parser.add_argument("--endpoint-url", help="use this S3 server instead of starting moto")
+    parser.add_argument(
+        "--server-cores",
+        type=int,
+        help="cores reserved for the moto server (default: half of them on 4+ cores, else 0)",
+    )
     opts = parser.parse_args(argv)
     if opts.quick:
         opts.total_mib, opts.tensors, opts.repeats = 32, 8, 2
