@@ -254,10 +254,17 @@ class Checkpointer:
         """This rank's part of the one exchange before staging, and its serialized values."""
         layout = self._layout
         reuse = slot is not None and layout is not None and layout.matches(items)
-        blobs = staging.serialize_bytes(layout.byte_items, planner) if reuse and layout else []
-        placed = (
-            staging.byte_results(self.rank, layout.byte_items, blobs) if reuse and layout else []
-        )
+        blobs: list[memoryview] = []
+        placed: list[Any] = []
+        if reuse and layout is not None:
+            try:
+                blobs = staging.serialize_bytes(layout.byte_items, planner)
+                placed = staging.byte_results(self.rank, layout.byte_items, blobs)
+            except Exception as exc:  # noqa: BLE001 - DCP's replan reports it on every rank
+                log.warning(
+                    "rank %d: serializing the non-tensor values failed (%s)", self.rank, exc
+                )
+                reuse = False
         plan, error = None, None
         if self.rank == 0:
             try:
@@ -279,7 +286,11 @@ class Checkpointer:
         if self._checked_behind:
             return
         self._checked_behind = True
-        steps = repository.committed_steps(self.store)
+        try:
+            steps = repository.committed_steps(self.store)
+        except Exception as exc:  # noqa: BLE001 - only a warning: never fail a save for it
+            log.debug("could not list checkpoints to compare steps: %s", exc)
+            return
         if steps and steps[-1] > step:
             log.warning(
                 "saving step %d below the newest checkpoint at %s (step %d): retention keeps "
