@@ -808,19 +808,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        worker_main(argv[1], argv[2])
-        return 0
-    opts = parse_args(argv)
-    report = run(opts)
-    print(table(report))
-    if not all(t["met"] for t in report["targets"].values()):
-        log("some targets are not met (see the table)")
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0
+    return bench_checkpoint.script_main(
+        argv, parse_args=parse_args, run=run, table=table, worker_main=worker_main
+    )
 
 
 if __name__ == "__main__":

@@ -780,7 +780,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return opts
 
 
-def main(argv: list[str] | None = None) -> int:
+def script_main(
+    argv: list[str] | None,
+    *,
+    parse_args: Callable[[list[str]], argparse.Namespace],
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    table: Callable[[dict[str, Any]], str],
+    worker_main: Callable[[str, str], None],
+) -> int:
+    """A bench script's main: a rank worker (``--worker PHASE ARGS``), or the whole run,
+    its table on stdout and, with ``--json``, the report."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         worker_main(argv[1], argv[2])
@@ -794,6 +803,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(opts.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return script_main(argv, parse_args=parse_args, run=run, table=table, worker_main=worker_main)
 
 
 if __name__ == "__main__":

@@ -6,16 +6,11 @@ is there and is a sane number.
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.integration.bench_runs import finite, run_quick
 
 pytestmark = pytest.mark.integration
 
@@ -43,27 +38,9 @@ TARGETS = {
 }
 
 
-def finite(value: object) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
-
-
 def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
     pytest.importorskip("s3torchconnector.dcp", reason="the DCP rows write through it")
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "bench/bench_async.py", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "stall (slowest rank, median)" in proc.stdout
-    report = json.loads(out.read_text())
-
-    assert KEYS <= set(report)
-    assert {"nproc", "mem_gib", "torch"} <= set(report["machine"])
+    report = run_quick("bench_async.py", tmp_path, table_header="stall (slowest rank, median)")
     assert report["config"]["world_size"] == 2 and report["config"]["quick"] is True
 
     assert set(report["stall"]) == STALL_ROWS

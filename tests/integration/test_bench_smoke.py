@@ -6,15 +6,11 @@ save's uploaded fraction is deterministic, so it is.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.integration.bench_runs import run_quick
 
 pytestmark = pytest.mark.integration
 
@@ -30,21 +26,7 @@ S3TC_RATIOS = {
 
 
 def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "bench/bench_checkpoint.py", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "ratio (ours / anchor)" in proc.stdout
-    report = json.loads(out.read_text())
-
-    assert KEYS <= set(report)
-    assert {"nproc", "mem_gib", "torch"} <= set(report["machine"])
+    report = run_quick("bench_checkpoint.py", tmp_path, table_header="ratio (ours / anchor)")
     assert report["config"]["save_world_size"] == 2
     assert report["config"]["load_world_sizes"] == [2, 1, 3]
     phases = report["phases"]
