@@ -130,6 +130,7 @@ def job_namespace(op_cluster: Cluster, s3_env: dict[str, str]) -> Iterator[str]:
         },
     )
     yield name
+    print_pod_logs(op_cluster, name)  # pytest shows it when the test failed
     core.delete_namespace(name)
     # the pods share the host network: the next test's ranks must not meet these
     wait_for(lambda: not core.list_namespaced_pod(name).items, f"pods of {name} gone", 60)
@@ -214,6 +215,19 @@ def running(cluster: Cluster, namespace: str, name: str, attempt: int, world: in
     pods = [p for p in job_pods(cluster, namespace, name) if attempt_of(p) == attempt]
     ok = len(pods) == world and all(p.status.phase == "Running" for p in pods)
     return st if ok else None
+
+
+def print_pod_logs(cluster: Cluster, namespace: str, tail: int = 3000) -> None:
+    """The end of every container log of the namespace's pods (each run's, appended)."""
+    for pod in core(cluster).list_namespaced_pod(namespace).items:
+        for container in [c.name for c in pod.spec.init_containers or []] + [
+            c.name for c in pod.spec.containers
+        ]:
+            try:
+                text = cluster.container_log(namespace, pod.metadata.name, container)
+            except FileNotFoundError:
+                continue
+            print(f"---- {pod.metadata.name}/{container} (tail) ----\n{text[-tail:]}")
 
 
 def trainer_events(cluster: Cluster, namespace: str, pod: str) -> list[dict[str, Any]]:
