@@ -83,6 +83,7 @@ from bench_checkpoint import (  # noqa: E402
     log,
     machine,
     max_over_ranks,
+    over_ranks,
     project_env,
     s3_server,
     s3tc_client_config,
@@ -407,15 +408,6 @@ def build_mlp(shape: MlpShape) -> tuple[Any, Any]:
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
 
 
-def sum_cpu_over_ranks(value: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item())
-
-
 def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -522,7 +514,7 @@ def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
             "saves": t.saves,
             "stall_seconds_mean": max_over_ranks(statistics.mean(t.stalls)) if t.stalls else 0.0,
             # CPU seconds: both rank processes together; the server (same on every rank)
-            "trainer_cpu_seconds": sum_cpu_over_ranks(t.cpu),
+            "trainer_cpu_seconds": over_ranks(t.cpu, "SUM"),
             "server_cpu_seconds": max_over_ranks(t.server_cpu),
         }
     return out

@@ -172,13 +172,18 @@ def check_loaded(model: Any, want: list[float], what: str) -> None:
 # --------------------------------------------------------------------------- rank helpers
 
 
-def max_over_ranks(value: float) -> float:
+def over_ranks(value: float, op: str = "MAX") -> float:
+    """``value`` reduced over the ranks (``op``: a torch.distributed.ReduceOp name)."""
     import torch
     import torch.distributed as dist
 
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return float(t.item())
+
+
+def max_over_ranks(value: float) -> float:
+    return over_ranks(value, "MAX")
 
 
 def sum_over_ranks(value: int) -> int:

@@ -170,6 +170,27 @@ def job_manifest(
     return job
 
 
+NewJob = Callable[..., dict[str, Any]]
+"""new_job(name, **job_manifest's keywords): the created job."""
+
+
+@pytest.fixture
+def new_job(
+    op_cluster: Cluster,
+    operator: OperatorProcess,
+    job_namespace: str,
+    s3_uri: str,
+    s3_env: dict[str, str],
+) -> NewJob:
+    """Creates jobs in the test's namespace, checkpointing to its bucket, the operator up."""
+
+    def create(name: str, **manifest: Any) -> dict[str, Any]:
+        job = job_manifest(name, s3_uri, s3_env["AWS_ENDPOINT_URL"], **manifest)
+        return create_job(op_cluster, job_namespace, job)
+
+    return create
+
+
 def custom(cluster: Cluster) -> client.CustomObjectsApi:
     return client.CustomObjectsApi(cluster.api_client())
 

@@ -11,11 +11,9 @@ from tests.cluster.operator_env import (
     GROUP,
     PLURAL,
     VERSION,
-    OperatorProcess,
+    NewJob,
     core,
-    create_job,
     custom,
-    job_manifest,
     job_pods,
     running,
     wait_for,
@@ -35,18 +33,10 @@ def _gone(fn: object, *args: str) -> bool:
 
 
 def test_deleting_the_job_removes_its_pods_and_service(
-    op_cluster: Cluster,
-    operator: OperatorProcess,
-    job_namespace: str,
-    s3_uri: str,
-    s3_env: dict[str, str],
+    op_cluster: Cluster, job_namespace: str, new_job: NewJob
 ) -> None:
     ns, name = job_namespace, "doomed"
-    create_job(
-        op_cluster,
-        ns,
-        job_manifest(name, s3_uri, s3_env["AWS_ENDPOINT_URL"], env=FAST_TRAINING, replicas=2),
-    )
+    new_job(name, env=FAST_TRAINING, replicas=2)
     wait_for(lambda: running(op_cluster, ns, name, 1, 2), "the job to run", 90)
     api = core(op_cluster)
     svc = api.read_namespaced_service(name, ns)

@@ -7,7 +7,7 @@ from ctj_devcluster import Cluster
 from kubernetes.client.exceptions import ApiException
 
 from tests.cluster.operator_env import (
-    OperatorProcess,
+    NewJob,
     attempt_of,
     create_job,
     job_manifest,
@@ -20,22 +20,15 @@ pytestmark = pytest.mark.cluster
 
 
 def test_a_crash_loop_fails_the_job_after_max_restarts(
-    op_cluster: Cluster,
-    operator: OperatorProcess,
-    job_namespace: str,
-    s3_uri: str,
-    s3_env: dict[str, str],
+    op_cluster: Cluster, job_namespace: str, new_job: NewJob
 ) -> None:
     ns, name = job_namespace, "crashes"
-    job = job_manifest(
+    new_job(
         name,
-        s3_uri,
-        s3_env["AWS_ENDPOINT_URL"],
         command=["python", "-c", "import sys; print('bad luck'); sys.exit(1)"],
         replicas=2,
         restartPolicy={"maxRestarts": 1, "backoffSeconds": 0.5},
     )
-    create_job(op_cluster, ns, job)
     st = wait_for(
         lambda: (s := status(op_cluster, ns, name)).get("phase") == "Failed" and s,
         "the job to fail",

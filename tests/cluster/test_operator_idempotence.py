@@ -24,12 +24,11 @@ from tests.cluster.operator_env import (
     GROUP,
     PLURAL,
     VERSION,
+    NewJob,
     OperatorProcess,
     attempt_of,
     core,
-    create_job,
     custom,
-    job_manifest,
     job_pods,
     running,
     status,
@@ -80,21 +79,10 @@ def _phase_is(cluster: Cluster, ns: str, name: str, phase: str, attempt: int) ->
 
 
 def test_operator_killed_during_restarts_converges_without_duplicates(
-    op_cluster: Cluster,
-    operator: OperatorProcess,
-    job_namespace: str,
-    s3_uri: str,
-    s3_env: dict[str, str],
+    op_cluster: Cluster, operator: OperatorProcess, job_namespace: str, new_job: NewJob
 ) -> None:
     ns, name = job_namespace, "phoenix"
-    job = job_manifest(
-        name,
-        s3_uri,
-        s3_env["AWS_ENDPOINT_URL"],
-        env=FAST_TRAINING,
-        restartPolicy={"maxRestarts": 5, "backoffSeconds": 0.5},
-    )
-    create_job(op_cluster, ns, job)
+    new_job(name, env=FAST_TRAINING, restartPolicy={"maxRestarts": 5, "backoffSeconds": 0.5})
     with PodCensus.watching(op_cluster, ns, name) as census:
         wait_for(lambda: running(op_cluster, ns, name, 1, 3), "attempt 1 at world size 3", 90)
 

@@ -15,12 +15,11 @@ from ctj_devcluster import Cluster
 
 from tests.cluster.operator_env import (
     FAST_TRAINING,
+    NewJob,
     OperatorProcess,
     attempt_of,
     committed_steps,
-    create_job,
     job_events,
-    job_manifest,
     job_pods,
     metric_value,
     running,
@@ -51,22 +50,15 @@ def _resumed(
 
 
 def test_node_loss_shrinks_to_two_then_the_node_returns_and_it_grows_to_three(
-    op_cluster: Cluster,
-    operator: OperatorProcess,
-    job_namespace: str,
-    s3_uri: str,
-    s3_env: dict[str, str],
+    op_cluster: Cluster, operator: OperatorProcess, job_namespace: str, new_job: NewJob
 ) -> None:
     ns, name = job_namespace, "elastic"
-    job = job_manifest(
+    new_job(
         name,
-        s3_uri,
-        s3_env["AWS_ENDPOINT_URL"],
         env=FAST_TRAINING,
         scaleUp={"stabilizationSeconds": 3},
         restartPolicy={"maxRestarts": 5, "backoffSeconds": 1},
     )
-    create_job(op_cluster, ns, job)
     wait_for(lambda: running(op_cluster, ns, name, 1, 3), "attempt 1 running on 3 nodes", 90)
 
     # a checkpoint committed, then the node of a non-master rank is lost

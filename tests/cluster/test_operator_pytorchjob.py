@@ -13,10 +13,8 @@ from ctj_devcluster import Cluster
 from kubernetes.client.exceptions import ApiException
 
 from tests.cluster.operator_env import (
-    OperatorProcess,
-    create_job,
+    NewJob,
     custom,
-    job_manifest,
     status,
     wait_for,
 )
@@ -58,23 +56,16 @@ def _set_condition(cluster: Cluster, ns: str, name: str, kind: str) -> None:
 
 
 def test_pytorchjob_backend_creates_the_job_and_follows_its_status(
-    op_cluster: Cluster,
-    pytorchjob_crd: None,
-    operator: OperatorProcess,
-    job_namespace: str,
-    s3_uri: str,
-    s3_env: dict[str, str],
+    op_cluster: Cluster, pytorchjob_crd: None, job_namespace: str, new_job: NewJob
 ) -> None:
     ns, name = job_namespace, "kf"
-    job = job_manifest(
+    job = new_job(
         name,
-        s3_uri,
-        s3_env["AWS_ENDPOINT_URL"],
         backend="pytorchjob",
         replicas=3,
         restartPolicy={"maxRestarts": 3, "backoffSeconds": 0.5},
     )
-    uid = create_job(op_cluster, ns, job)["metadata"]["uid"]
+    uid = job["metadata"]["uid"]
     ptj = wait_for(lambda: _pytorchjob(op_cluster, ns, f"{name}-a1"), "PyTorchJob a1", 30)
 
     replicas = ptj["spec"]["pytorchReplicaSpecs"]

@@ -7,11 +7,9 @@ from ctj_devcluster import Cluster
 
 from tests.cluster.operator_env import (
     FAST_TRAINING,
-    OperatorProcess,
+    NewJob,
     committed_steps,
-    create_job,
     job_events,
-    job_manifest,
     running,
     trainer_events,
     wait_for,
@@ -21,16 +19,10 @@ pytestmark = pytest.mark.cluster
 
 
 def test_kubectl_scale_restarts_the_job_at_the_new_size(
-    op_cluster: Cluster,
-    operator: OperatorProcess,
-    job_namespace: str,
-    s3_uri: str,
-    s3_env: dict[str, str],
+    op_cluster: Cluster, job_namespace: str, new_job: NewJob
 ) -> None:
     ns, name = job_namespace, "resized"
-    create_job(
-        op_cluster, ns, job_manifest(name, s3_uri, s3_env["AWS_ENDPOINT_URL"], env=FAST_TRAINING)
-    )
+    new_job(name, env=FAST_TRAINING)
     wait_for(lambda: running(op_cluster, ns, name, 1, 3), "attempt 1 at world size 3", 90)
     committed = wait_for(lambda: committed_steps(op_cluster, ns, f"{name}-a1-0"), "a commit", 120)
 
