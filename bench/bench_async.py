@@ -357,7 +357,7 @@ def run_stall(args: dict[str, Any]) -> dict[str, Any]:
         sampler.pause()
         staged_bytes = 0
         if saver.ckpt is not None:
-            from trainer_sidecar.staging import rank_dir
+            from trainer_sidecar.save.staging import rank_dir
 
             staged_bytes = dir_bytes(str(rank_dir(saver.ckpt.root, dist.get_rank())))
     finally:

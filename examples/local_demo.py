@@ -25,9 +25,10 @@ import time
 import uuid
 from pathlib import Path
 
-from trainer_sidecar import repository
-from trainer_sidecar.local_s3 import LocalS3, free_port
-from trainer_sidecar.store_s3 import S3Settings, open_store
+from ctj_devcluster.local_s3 import LocalS3, free_port
+
+from trainer_sidecar.store import repository
+from trainer_sidecar.store.s3 import S3Settings, open_store
 
 HERE = Path(__file__).resolve().parent
 T0 = time.monotonic()

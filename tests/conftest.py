@@ -10,9 +10,9 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from ctj_devcluster.local_s3 import LocalS3, free_port, wait_for_port
 
 from trainer_sidecar.config import default_staging_root
-from trainer_sidecar.local_s3 import LocalS3, free_port, wait_for_port
 
 __all__ = ["ROOT", "free_port", "wait_for_port"]
 

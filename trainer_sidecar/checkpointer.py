@@ -38,18 +38,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from . import __version__, collectives, layout_cache, repository, staging
-from .chunk_reader import ChunkReader
+from . import __version__, collectives
 from .config import CheckpointConfig, job_staging_dir
-from .dcp_storage import ChunkedStorageReader
 from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, ObjectNotFound
-from .layout_cache import SaveReport, SlotState, Staging
-from .manifest import METADATA_FILE, manifest_key
+from .format.manifest import METADATA_FILE, manifest_key
+from .format.policy import Committed, plan_save
+from .load.chunk_reader import ChunkReader
+from .load.dcp_reader import ChunkedStorageReader
 from .metrics import CheckpointMetrics, serve
-from .objectstore import ObjectStore
-from .persist import Persister
-from .policy import Committed, plan_save
-from .staging import StagingWriter
+from .save import protocol as layout_cache
+from .save import staging
+from .save.persist import Persister
+from .save.protocol import SaveReport, SlotState, Staging
+from .save.staging import StagingWriter
+from .store import repository
+from .store.base import ObjectStore
 from .store_s3 import S3Settings, open_store
 
 log = logging.getLogger("ctj.checkpoint")

@@ -21,10 +21,11 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
-from . import repository as repo
 from .errors import CheckpointError, NoCheckpointError
-from .manifest import Manifest
-from .objectstore import ObjectStore
+from .format.manifest import Manifest
+from .load.verify import verify
+from .store import repository as repo
+from .store.base import ObjectStore
 from .store_s3 import S3Settings, open_store
 
 
@@ -123,7 +124,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for step in steps:
         m = repo.read_manifest(store, step)
         with _progress(m.logical_bytes, f"verify {step}") as update:
-            problems = repo.verify(store, m, progress=update)
+            problems = verify(store, m, progress=update)
         if problems:
             bad += 1
             for p in problems:

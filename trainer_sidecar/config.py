@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .chunking import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_SIZE, MIB
 from .errors import CheckpointError
-from .manifest import MODES
-from .objectstore import Location
+from .format.chunking import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_SIZE, MIB
+from .format.manifest import MODES
+from .store.base import Location
 
 
 def default_staging_root() -> str:

@@ -20,11 +20,12 @@ import threading
 import time
 from typing import Any
 
-from . import __version__, staging
+from . import __version__
 from .config import CheckpointConfig, job_staging_dir
 from .errors import CheckpointError
 from .metrics import CheckpointMetrics, serve
-from .persist import Persister
+from .save import staging
+from .save.persist import Persister
 from .store_s3 import S3Settings, open_store
 
 log = logging.getLogger("ctj.sidecar")

@@ -90,10 +90,10 @@ class CheckpointWatcher:
     def _read(
         self, namespace: str, uri: str, endpoint: str | None, secret: str | None
     ) -> dict[str, Any] | None:
-        from trainer_sidecar import repository
-        from trainer_sidecar.objectstore import Location
-        from trainer_sidecar.store_local import LocalStore
-        from trainer_sidecar.store_s3 import S3Settings, S3Store
+        from trainer_sidecar.store import repository
+        from trainer_sidecar.store.base import Location
+        from trainer_sidecar.store.local import LocalStore
+        from trainer_sidecar.store.s3 import S3Settings, S3Store
 
         location = Location.parse(uri)
         if location.scheme == "file":

@@ -12,7 +12,7 @@ import torch
 from tests.conftest import promtool_check
 from tests.integration.test_sidecar import wait_until
 from trainer_sidecar import CheckpointConfig, Checkpointer
-from trainer_sidecar import repository as repo
+from trainer_sidecar.store import repository as repo
 
 pytestmark = pytest.mark.integration
 MIB = 1 << 20

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ctj_devcluster.local_s3 import LocalS3
 
 from tests.conftest import ROOT, free_port
 from tests.integration.ranks import run_ranks
 from trainer_sidecar import CheckpointConfig, Checkpointer, CheckpointError
-from trainer_sidecar.local_s3 import LocalS3
 
 pytestmark = pytest.mark.integration
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from trainer_sidecar import CheckpointConfig, Checkpointer
-from trainer_sidecar import repository as repo
-from trainer_sidecar.objectstore import Location
+from trainer_sidecar.load.verify import verify
+from trainer_sidecar.store import repository as repo
+from trainer_sidecar.store.base import Location
 
 pytestmark = pytest.mark.integration
 LAYERS = 20
@@ -89,7 +90,7 @@ def test_chain_of_five_uploads_deltas_and_restores_bitwise(
     report = repo.collect_garbage(store, grace_s=0)
     assert report.deleted_chunks > 0 or mode == "differential"
     for step in (1, 2, 4, 5):
-        assert not repo.verify(store, repo.read_manifest(store, step))
+        assert not verify(store, repo.read_manifest(store, step))
         fresh = make_model(99)
         assert Checkpointer(config).load(model=fresh, step=step).step == step
         assert all(torch.equal(fresh.state_dict()[k], v) for k, v in states[step].items())

@@ -17,9 +17,9 @@ import torch
 
 from tests.conftest import ROOT
 from trainer_sidecar import CheckpointConfig, Checkpointer
-from trainer_sidecar import repository as repo
-from trainer_sidecar.manifest import MANIFESTS
-from trainer_sidecar.objectstore import Location
+from trainer_sidecar.format.manifest import MANIFESTS
+from trainer_sidecar.store import repository as repo
+from trainer_sidecar.store.base import Location
 
 pytestmark = pytest.mark.integration
 

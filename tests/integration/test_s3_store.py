@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from trainer_sidecar.objectstore import Location
-from trainer_sidecar.store_s3 import S3Settings, S3Store
+from trainer_sidecar.store.base import Location
+from trainer_sidecar.store.s3 import S3Settings, S3Store
 
 pytestmark = pytest.mark.integration
 

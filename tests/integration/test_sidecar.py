@@ -20,7 +20,7 @@ import torch
 from tests.conftest import ROOT, promtool_check
 from tests.integration.ranks import run_ranks, spawn_ranks
 from trainer_sidecar import CheckpointConfig, Checkpointer
-from trainer_sidecar import repository as repo
+from trainer_sidecar.store import repository as repo
 
 pytestmark = pytest.mark.integration
 

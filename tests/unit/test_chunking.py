@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer_sidecar.chunking import Span, blocks_for_range, hash_chunk, plan_chunks
+from trainer_sidecar.format.chunking import Span, blocks_for_range, hash_chunk, plan_chunks
 
 KB = 1024
 

@@ -5,8 +5,8 @@ import os
 import pytest
 
 from trainer_sidecar import CheckpointConfig, CheckpointError
-from trainer_sidecar.manifest import ChunkRef, FileEntry, Manifest
-from trainer_sidecar.objectstore import Location
+from trainer_sidecar.format.manifest import ChunkRef, FileEntry, Manifest
+from trainer_sidecar.store.base import Location
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from trainer_sidecar.errors import CheckpointError
-from trainer_sidecar.layout_cache import (
+from trainer_sidecar.format.policy import plan_save
+from trainer_sidecar.save.protocol import (
     SaveReport,
     SlotState,
     Staging,
@@ -16,7 +17,6 @@ from trainer_sidecar.layout_cache import (
     local_plan,
     merged_metadata,
 )
-from trainer_sidecar.policy import plan_save
 
 PLAN = plan_save(7, mode="incremental", full_every=10, latest=None)
 FREE, BUSY, TIMED_OUT = SlotState.FREE, SlotState.BUSY, SlotState.TIMED_OUT

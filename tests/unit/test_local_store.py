@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from trainer_sidecar.errors import ObjectExists, ObjectNotFound
-from trainer_sidecar.store_local import LocalStore
+from trainer_sidecar.store.local import LocalStore
 
 
 def test_put_get_list_delete(tmp_path: Path) -> None:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer_sidecar.objectstore import ObjectInfo
-from trainer_sidecar.policy import Committed, plan_gc, plan_retention, plan_save
+from trainer_sidecar.format.policy import Committed, plan_gc, plan_retention, plan_save
+from trainer_sidecar.store.base import ObjectInfo
 
 
 def manifest(step: int, *, mode: str, base: int, since_full: int) -> Committed:

@@ -1,4 +1,4 @@
-"""Operations on a checkpoint location: list, read, commit, retention, gc, verify, remove.
+"""Operations on a checkpoint location: list, read, commit, retention, gc, remove.
 
 Everything here is a thin adapter between the object store and the pure rules
 in policy.py. The commit is one create-only write of the manifest; nothing
@@ -12,22 +12,18 @@ save takes) is what keeps those chunks in place until that save commits.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 
-from . import policy
-from .chunk_reader import ChunkReader
-from .errors import (
+from ..errors import (
     CheckpointError,
-    CorruptCheckpointError,
     NoCheckpointError,
     ObjectExists,
     ObjectNotFound,
 )
-from .manifest import (
+from ..format import policy
+from ..format.manifest import (
     CHUNKS,
     MANIFESTS,
     PARTS,
@@ -40,7 +36,7 @@ from .manifest import (
     retired_key,
     step_of_manifest_key,
 )
-from .objectstore import ObjectStore
+from .base import ObjectStore
 
 log = logging.getLogger(__name__)
 CLOCK_KEY = "clock"
@@ -222,29 +218,3 @@ def remove(store: ObjectStore, steps: list[int]) -> None:
     if unknown:
         raise NoCheckpointError(f"no committed checkpoint at step(s) {unknown}")
     retire(store, steps)
-
-
-def verify(
-    store: ObjectStore,
-    manifest: Manifest,
-    *,
-    progress: Callable[[int], None] | None = None,
-    parallelism: int = 8,
-) -> list[CorruptCheckpointError]:
-    """Read every chunk of a checkpoint and check it; returns the problems found."""
-    reader = ChunkReader(store, manifest, parallelism=parallelism)
-    chunks = {c.id: c for f in manifest.files.values() for c in f.chunks}
-    problems: list[CorruptCheckpointError] = []
-
-    def check(chunk_id: str) -> None:
-        chunk = chunks[chunk_id]
-        try:
-            reader.fetch_verified(chunk, 0, chunk.size)
-        except CorruptCheckpointError as exc:
-            problems.append(exc)
-        if progress:
-            progress(chunk.size)
-
-    with cf.ThreadPoolExecutor(parallelism) as pool:
-        list(pool.map(check, sorted(chunks)))
-    return sorted(problems, key=lambda p: p.chunk_id)

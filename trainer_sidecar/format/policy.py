@@ -8,9 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from .manifest import Manifest
-from .objectstore import ObjectInfo
+
+
+class StoredObject(Protocol):
+    """What gc's decision needs of a listed object (the store's ObjectInfo has it)."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def last_modified(self) -> float: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,7 +69,7 @@ def plan_retention(manifests: Sequence[Committed], keep_last: int) -> list[int]:
 
 
 def plan_gc(
-    objects: Iterable[ObjectInfo], referenced: set[str], *, now: float, grace_s: float
+    objects: Iterable[StoredObject], referenced: set[str], *, now: float, grace_s: float
 ) -> list[str]:
     """Unreferenced objects old enough that no save in flight can still be writing them.
 

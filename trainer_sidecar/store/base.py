@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..format.manifest import METADATA_FILE
 from .chunk_reader import ChunkReader
-from .manifest import METADATA_FILE
 
 READ_BATCH_BYTES = 256 << 20  # bound on bytes fetched but not yet copied, per rank
 

@@ -21,13 +21,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import repository, staging
-from .config import CheckpointConfig
-from .errors import CheckpointError, NoCheckpointError, UploadAborted
-from .manifest import Manifest, part_prefix
-from .metrics import CheckpointMetrics
-from .objectstore import ObjectStore
-from .policy import Committed
+from ..config import CheckpointConfig
+from ..errors import CheckpointError, NoCheckpointError, UploadAborted
+from ..format.manifest import Manifest, part_prefix
+from ..format.policy import Committed
+from ..metrics import CheckpointMetrics
+from ..store import repository
+from ..store.base import ObjectStore
+from . import staging
 from .uploader import StagedFile, UploadSettings, upload_rank
 
 log = logging.getLogger("ctj.persist")

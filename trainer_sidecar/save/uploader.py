@@ -21,10 +21,10 @@ from contextlib import contextmanager
 
 import zstandard
 
-from . import chunking
-from .errors import UploadAborted
-from .manifest import ChunkRef, FileEntry, RankPart, part_key
-from .objectstore import ObjectStore
+from ..errors import UploadAborted
+from ..format import chunking
+from ..format.manifest import ChunkRef, FileEntry, RankPart, part_key
+from ..store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .errors import CheckpointError, ObjectExists, ObjectNotFound
-from .objectstore import ObjectInfo
+from ..errors import CheckpointError, ObjectExists, ObjectNotFound
+from .base import ObjectInfo
 
 _TMP_PREFIX = ".tmp-"
 

@@ -38,10 +38,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .chunking import Span
-from .manifest import METADATA_FILE, rank_file_name
-from .policy import Committed
-from .policy import SavePlan as CkptPlan
+from ..format.chunking import Span
+from ..format.manifest import METADATA_FILE, rank_file_name
+from ..format.policy import Committed
+from ..format.policy import SavePlan as CkptPlan
 
 READY = "ready.json"
 STATE = "state.json"

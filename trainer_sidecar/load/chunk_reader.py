@@ -16,10 +16,10 @@ from collections.abc import Sequence
 import blake3
 import zstandard
 
-from .chunking import blocks_for_range
-from .errors import CorruptCheckpointError, ObjectNotFound
-from .manifest import ChunkRef, FileEntry, Manifest
-from .objectstore import ObjectStore
+from ..errors import CorruptCheckpointError, ObjectNotFound
+from ..format.chunking import blocks_for_range
+from ..format.manifest import ChunkRef, FileEntry, Manifest
+from ..store.base import ObjectStore
 
 
 @dataclasses.dataclass

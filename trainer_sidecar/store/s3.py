@@ -29,9 +29,9 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from .errors import CheckpointError, ObjectExists, ObjectNotFound
-from .objectstore import Location, ObjectInfo
-from .store_local import LocalStore
+from ..errors import CheckpointError, ObjectExists, ObjectNotFound
+from .base import Location, ObjectInfo
+from .local import LocalStore
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}

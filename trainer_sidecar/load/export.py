@@ -18,10 +18,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from ..format.manifest import METADATA_FILE, Manifest
+from ..store.base import ObjectStore
 from .chunk_reader import ChunkReader
-from .dcp_storage import READ_BATCH_BYTES, layout_of, tensor_layouts
-from .manifest import METADATA_FILE, Manifest
-from .objectstore import ObjectStore
+from .dcp_reader import READ_BATCH_BYTES, layout_of, tensor_layouts
 
 
 def export_dcp(

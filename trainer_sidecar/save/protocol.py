@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .errors import CheckpointError
-from .policy import SavePlan
+from ..errors import CheckpointError
+from ..format.policy import SavePlan
 from .staging import StagingWriter
 
 
