@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,9 @@ from .errors import CheckpointError
 from .format.chunking import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_SIZE, MIB
 from .format.manifest import MODES
 from .store.base import Location
+
+
+_ATTEMPT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def default_staging_root() -> str:
@@ -82,6 +86,13 @@ class CheckpointConfig:
     """On shutdown (SIGTERM), how long to keep persisting what is staged."""
     metrics_port: int | None = None
     """Serve /metrics, /healthz, /readyz on this port (None: don't serve)."""
+    attempt: str = "0"
+    """Which attempt of the job this process belongs to (the operator's CTJ_ATTEMPT): part
+    of every save's identity, so nothing an earlier attempt left can enter a commit."""
+    trust_pickled_values: bool = False
+    """Load non-tensor values with full pickle instead of torch's weights_only rules
+    (plain containers, numbers, strings, tensors). Only for checkpoints you wrote and
+    nobody else can write to: a pickle can run code."""
 
     def __post_init__(self) -> None:
         Location.parse(self.uri)  # raises a CheckpointError naming the problem
@@ -109,6 +120,8 @@ class CheckpointConfig:
             raise bad("staging_slots", f"is {self.staging_slots}: use 1 or more")
         if self.busy_policy not in ("wait", "skip"):
             raise bad("busy_policy", f"is {self.busy_policy!r}: use wait or skip")
+        if not _ATTEMPT.fullmatch(self.attempt):
+            raise bad("attempt", f"is {self.attempt!r}: use 1-64 of A-Z a-z 0-9 . _ -")
         if self.shutdown_grace_s < 0 or self.slot_wait_timeout_s <= 0:
             raise bad("shutdown_grace_s/slot_wait_timeout_s", "must be positive")
 
@@ -131,6 +144,8 @@ class CheckpointConfig:
             "busy_policy": ("CTJ_BUSY_POLICY", str),
             "shutdown_grace_s": ("CTJ_SHUTDOWN_GRACE_S", float),
             "metrics_port": ("CTJ_METRICS_PORT", int),
+            "attempt": ("CTJ_ATTEMPT", str),
+            "trust_pickled_values": ("CTJ_TRUST_PICKLED_VALUES", _flag),
         }
         values: dict[str, Any] = {}
         for field, (var, typ) in names.items():
