@@ -20,7 +20,6 @@ from .format.chunking import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_SIZE, MIB
 from .format.manifest import MODES
 from .store.base import Location
 
-
 _ATTEMPT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
