@@ -26,7 +26,7 @@ from .format.manifest import Manifest
 from .load.verify import verify
 from .store import repository as repo
 from .store.base import ObjectStore
-from .store_s3 import S3Settings, open_store
+from .store.s3 import S3Settings, open_store
 
 
 def _size(n: float) -> str:

@@ -7,6 +7,7 @@ points call it); everything below takes a config object.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import os
 import re
@@ -17,7 +18,7 @@ from typing import Any
 
 from .errors import CheckpointError
 from .format.chunking import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_SIZE, MIB
-from .format.manifest import MODES
+from .format.manifest import Codec, Mode
 from .store.base import Location
 
 _ATTEMPT = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -31,6 +32,26 @@ def default_staging_root() -> str:
     shm = "/dev/shm"
     base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
     return os.path.join(base, f"ctj-staging-{os.getuid()}")
+
+
+class BusyPolicy(enum.StrEnum):
+    WAIT = "wait"  # a save that finds every slot uploading waits for one
+    SKIP = "skip"  # ... or is skipped (counted) and training goes on
+
+
+class Persistence(enum.StrEnum):
+    THREAD = "thread"  # a thread of the training process uploads and commits
+    SIDECAR = "sidecar"  # the `ctj sidecar` process beside it does
+
+
+def _enum(field: str, kind: type[enum.StrEnum], value: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in kind)
+        raise CheckpointError(
+            f"checkpoint config: {field} is {value!r}: use one of {choices}"
+        ) from None
 
 
 def _flag(value: str) -> bool:
@@ -50,7 +71,7 @@ def job_staging_dir(config: CheckpointConfig) -> Path:
 class CheckpointConfig:
     uri: str
     """Where the job's checkpoints live: s3://bucket/prefix or file:///dir."""
-    mode: str = "incremental"
+    mode: Mode = Mode.INCREMENTAL
     """full | incremental (vs the previous checkpoint) | differential (vs the last full)."""
     full_every: int = 10
     """Every N-th checkpoint is a full one (1 = always full)."""
@@ -60,7 +81,7 @@ class CheckpointConfig:
     """Largest chunk (bytes); a multiple of block_size, at most 64 MiB."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """Unit of verification and of ranged reads (bytes)."""
-    compression: str = "none"
+    compression: Codec = Codec.NONE
     """none | zstd (compressed chunks are read whole)."""
     parallelism: int = 8
     """Concurrent chunk transfers per rank."""
@@ -77,7 +98,7 @@ class CheckpointConfig:
     """True: a sidecar process persists what this process stages; False: a thread here does."""
     staging_slots: int = 1
     """Staged copies a rank may hold (host memory = slots x the rank's state)."""
-    busy_policy: str = "wait"
+    busy_policy: BusyPolicy = BusyPolicy.WAIT
     """When every slot is still uploading: wait (block the save) or skip (count it, go on)."""
     slot_wait_timeout_s: float = 600.0
     """How long a save waits for a free slot before failing."""
@@ -93,14 +114,20 @@ class CheckpointConfig:
     (plain containers, numbers, strings, tensors). Only for checkpoints you wrote and
     nobody else can write to: a pickle can run code."""
 
+    @property
+    def persistence(self) -> Persistence:
+        return Persistence.SIDECAR if self.sidecar else Persistence.THREAD
+
     def __post_init__(self) -> None:
         Location.parse(self.uri)  # raises a CheckpointError naming the problem
 
         def bad(field: str, why: str) -> CheckpointError:
             return CheckpointError(f"checkpoint config: {field} {why}")
 
-        if self.mode not in MODES:
-            raise bad("mode", f"is {self.mode!r}: use one of {', '.join(MODES)}")
+        # enums accept their values as strings (from the environment, from YAML)
+        object.__setattr__(self, "mode", _enum("mode", Mode, self.mode))
+        object.__setattr__(self, "compression", _enum("compression", Codec, self.compression))
+        object.__setattr__(self, "busy_policy", _enum("busy_policy", BusyPolicy, self.busy_policy))
         if self.full_every < 1:
             raise bad("full_every", f"is {self.full_every}: use 1 or more")
         if self.keep_last < 0:
@@ -109,16 +136,12 @@ class CheckpointConfig:
             raise bad("block_size", f"is {self.block_size}: use a power of two >= 4096")
         if self.chunk_size % self.block_size or not 0 < self.chunk_size <= 64 * MIB:
             raise bad("chunk_size", "must be a multiple of block_size, at most 64 MiB")
-        if self.compression not in ("none", "zstd"):
-            raise bad("compression", f"is {self.compression!r}: use none or zstd")
         if self.parallelism < 1:
             raise bad("parallelism", "must be at least 1")
         if self.gc_grace_s < 0 or self.commit_timeout_s <= 0:
             raise bad("gc_grace_s/commit_timeout_s", "must be positive")
         if self.staging_slots < 1:
             raise bad("staging_slots", f"is {self.staging_slots}: use 1 or more")
-        if self.busy_policy not in ("wait", "skip"):
-            raise bad("busy_policy", f"is {self.busy_policy!r}: use wait or skip")
         if not _ATTEMPT.fullmatch(self.attempt):
             raise bad("attempt", f"is {self.attempt!r}: use 1-64 of A-Z a-z 0-9 . _ -")
         if self.shutdown_grace_s < 0 or self.slot_wait_timeout_s <= 0:

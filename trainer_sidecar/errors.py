@@ -44,3 +44,28 @@ class ObjectExists(Exception):
     def __init__(self, key: str) -> None:
         super().__init__(key)
         self.key = key
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A checkpoint holds something that would run code when loaded (a pickle outside the
+    allow-list, a file name escaping its directory): treated like a corrupt one."""
+
+    def __init__(self, step: int, what: str, reason: str) -> None:
+        CheckpointError.__init__(
+            self, f"checkpoint step {step} is unusable: {what} {reason} (refused, never run)"
+        )
+        self.step = step
+        self.chunk_id = what
+        self.reason = reason
+
+
+class StoreUnavailable(CheckpointError):
+    """The object store kept failing (timeouts, resets, 5xx) after every retry."""
+
+
+class SaveFailed(CheckpointError):
+    """A save did not commit: a rank's upload or the commit failed (the reason says which)."""
+
+
+class CommitConflict(SaveFailed):
+    """Another save (another attempt, or a second writer) committed this step first."""

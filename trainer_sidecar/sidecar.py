@@ -24,9 +24,9 @@ from . import __version__
 from .config import CheckpointConfig, job_staging_dir
 from .errors import CheckpointError
 from .metrics import CheckpointMetrics, serve
-from .save import staging
+from .save import slots
 from .save.persist import Persister
-from .store_s3 import S3Settings, open_store
+from .store.s3 import S3Settings, open_store
 
 log = logging.getLogger("ctj.sidecar")
 
@@ -42,7 +42,7 @@ def run(
         config.uri, S3Settings.from_env(endpoint_url=config.endpoint_url, region=config.region)
     )
     root = job_staging_dir(config)
-    root.mkdir(parents=True, exist_ok=True)
+    slots.prepare_root(root)
     metrics = CheckpointMetrics()
     persister = Persister(store, config, root=root, metrics=metrics, versions={"ctj": __version__})
     stop = threading.Event()
@@ -81,7 +81,7 @@ def run(
             delay = min(delay * 2, 10.0)
     started = time.monotonic()
     persister.run(stop, grace_s=grace_s)
-    left = [s.step for _, s in staging.pending(root)]
+    left = [s.step for _, s in slots.pending(root)]
     if server is not None:
         server.shutdown()
     if left:

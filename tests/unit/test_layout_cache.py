@@ -8,6 +8,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from trainer_sidecar.errors import CheckpointError
+from trainer_sidecar.format.manifest import SaveIdentity
 from trainer_sidecar.format.policy import plan_save
 from trainer_sidecar.save.protocol import (
     SaveReport,
@@ -18,7 +19,8 @@ from trainer_sidecar.save.protocol import (
     merged_metadata,
 )
 
-PLAN = plan_save(7, mode="incremental", full_every=10, latest=None)
+SAVE = SaveIdentity("0", "0123456789abcdef")
+PLAN = plan_save(7, mode="incremental", full_every=10, latest=None, save=SAVE)
 FREE, BUSY, TIMED_OUT = SlotState.FREE, SlotState.BUSY, SlotState.TIMED_OUT
 
 

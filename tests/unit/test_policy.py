@@ -2,8 +2,11 @@ from __future__ import annotations
 
 import pytest
 
+from trainer_sidecar.format.manifest import SaveIdentity
 from trainer_sidecar.format.policy import Committed, plan_gc, plan_retention, plan_save
 from trainer_sidecar.store.base import ObjectInfo
+
+SAVE = SaveIdentity("0", "0123456789abcdef")
 
 
 def manifest(step: int, *, mode: str, base: int, since_full: int) -> Committed:
@@ -50,7 +53,7 @@ def manifest(step: int, *, mode: str, base: int, since_full: int) -> Committed:
     ],
 )
 def test_plan_save(mode: str, full_every: int, latest: Committed | None, want: tuple) -> None:
-    plan = plan_save(10, mode=mode, full_every=full_every, latest=latest)
+    plan = plan_save(10, mode=mode, full_every=full_every, latest=latest, save=SAVE)
     assert (
         plan.mode,
         plan.parent_step,

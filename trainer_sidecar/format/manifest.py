@@ -1,26 +1,89 @@
 """The checkpoint format: object keys, chunk references, the per-step manifest.
 
-Format ``ctj-checkpoint`` version 1 (docs/format.md is the reference):
+Format ``ctj-checkpoint`` version 2 (docs/format.md is the reference):
 
-    chunks/<id[:2]>/<id>[.zst]       content-addressed chunk, stored once
-    parts/<step>/rank-<r>.json       one rank's uploaded file list (pre-commit)
-    manifests/<step>.json            the commit: a checkpoint exists iff this does
-    retired/<step>.json              a removed checkpoint's manifest, kept for the gc grace
+    chunks/<id[:2]>/<id>[.zst]            content-addressed chunk, stored once
+    parts/<step>/<save>/rank-<r>.json     one rank's uploaded file list (pre-commit)
+    parts/<step>/<save>/<who>.failed      a rank's (or the commit's) failure, for the others
+    manifests/<step>.json                 the commit: a checkpoint exists iff this does
+    retired/<step>.json                   a removed checkpoint's manifest, kept for the gc grace
 
-A manifest names every chunk of every file of its checkpoint, so a restore
-never walks a delta chain, and deleting any other checkpoint cannot break it.
+``<save>`` is the save's identity (attempt and a nonce rank 0 chose): a commit
+takes exactly the parts of ranks 0..W-1 of one save, so nothing another attempt,
+a straggler or a second writer left can enter it. A manifest names every chunk
+of every file of its checkpoint, so a restore never walks a delta chain, and
+deleting any other checkpoint cannot break it. Version 1 (parts directly under
+``parts/<step>/``, no identity in the manifest) is still read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
+import re
+import secrets
 from typing import Any
 
 FORMAT = "ctj-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 METADATA_FILE = ".metadata"
-MODES = ("full", "incremental", "differential")
+
+
+class Mode(enum.StrEnum):
+    FULL = "full"
+    INCREMENTAL = "incremental"  # chunks the previous checkpoint names are not sent again
+    DIFFERENTIAL = "differential"  # chunks the last full checkpoint names are not sent again
+
+
+class Codec(enum.StrEnum):
+    NONE = "none"
+    ZSTD = "zstd"
+
+
+MODES = tuple(m.value for m in Mode)
+_ATTEMPT = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_NONCE = re.compile(r"[0-9a-f]{16}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveIdentity:
+    """Who a save is: the job's attempt and a nonce rank 0 drew for this one save.
+
+    Every rank of the save carries it (in its staged slot), its parts are stored
+    under it, and the manifest records it: a commit is exactly one save.
+    """
+
+    attempt: str
+    nonce: str
+
+    def __post_init__(self) -> None:
+        if not _ATTEMPT.fullmatch(self.attempt) or not _NONCE.fullmatch(self.nonce):
+            raise ValueError(f"bad save identity {self.attempt!r}/{self.nonce!r}")
+
+    @classmethod
+    def new(cls, attempt: str) -> SaveIdentity:
+        return cls(attempt, secrets.token_hex(8))
+
+    @property
+    def key(self) -> str:
+        """Its name in object keys (the nonce is fixed-length, so this parses back)."""
+        return f"{self.attempt}-{self.nonce}"
+
+    @classmethod
+    def parse(cls, key: str) -> SaveIdentity:
+        attempt, _, nonce = key.rpartition("-")
+        return cls(attempt, nonce)
+
+    def __str__(self) -> str:
+        return f"attempt {self.attempt}, save {self.nonce}"
+
+    def to_json(self) -> dict[str, str]:
+        return {"attempt": self.attempt, "nonce": self.nonce}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> SaveIdentity:
+        return cls(str(raw["attempt"]), str(raw["nonce"]))
 
 MANIFESTS = "manifests/"
 RETIRED = "retired/"
@@ -47,16 +110,50 @@ def step_of_manifest_key(key: str) -> int | None:
         return None
 
 
-def part_prefix(step: int) -> str:
+def step_parts_prefix(step: int) -> str:
     return f"{PARTS}{step:020d}/"
 
 
-def part_key(step: int, rank: int) -> str:
-    return f"{part_prefix(step)}rank-{rank:05d}.json"
+def part_prefix(step: int, save: SaveIdentity) -> str:
+    return f"{step_parts_prefix(step)}{save.key}/"
+
+
+def part_key(step: int, save: SaveIdentity, rank: int) -> str:
+    return f"{part_prefix(step, save)}rank-{rank:05d}.json"
+
+
+def failure_key(step: int, save: SaveIdentity, who: str) -> str:
+    """Where a rank (``rank-<r>``) or the committer (``commit``) says the save failed."""
+    return f"{part_prefix(step, save)}{who}.failed"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PartKey:
+    """A parsed key under parts/: its step and save (None for a version 1 part)."""
+
+    step: int
+    save: SaveIdentity | None
+    name: str  # rank-<r>.json or <who>.failed
+
+    @classmethod
+    def parse(cls, key: str) -> PartKey | None:
+        fields = key[len(PARTS) :].split("/") if key.startswith(PARTS) else []
+        try:
+            if len(fields) == 2:
+                return cls(int(fields[0]), None, fields[1])
+            if len(fields) == 3:
+                return cls(int(fields[0]), SaveIdentity.parse(fields[1]), fields[2])
+        except ValueError:
+            return None
+        return None
+
+    @property
+    def is_part(self) -> bool:
+        return self.name.startswith("rank-") and self.name.endswith(".json")
 
 
 def chunk_key(chunk_id: str, codec: str) -> str:
-    suffix = ".zst" if codec == "zstd" else ""
+    suffix = ".zst" if codec == Codec.ZSTD else ""
     return f"{CHUNKS}{chunk_id[:2]}/{chunk_id}{suffix}"
 
 
@@ -117,6 +214,11 @@ class Manifest:
     created: float
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    save: SaveIdentity | None = None  # which save committed it (None: a version 1 manifest)
+
+    def chunks(self) -> dict[str, ChunkRef]:
+        """Every chunk it names, by stored object key (id and codec)."""
+        return {c.key: c for f in self.files.values() for c in f.chunks}
 
     def chunk_ids(self) -> set[str]:
         return {c.id for f in self.files.values() for c in f.chunks}
@@ -141,6 +243,7 @@ class Manifest:
             "created": self.created,
             "timings": self.timings,
             "versions": self.versions,
+            "save": self.save.to_json() if self.save else None,
             "files": {name: f.to_json() for name, f in sorted(self.files.items())},
         }
         return json.dumps(body, separators=(",", ":")).encode()
@@ -170,15 +273,18 @@ class Manifest:
             created=float(raw["created"]),
             timings={k: float(v) for k, v in raw.get("timings", {}).items()},
             versions={k: str(v) for k, v in raw.get("versions", {}).items()},
+            save=SaveIdentity.from_json(raw["save"]) if raw.get("save") else None,
         )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RankPart:
-    """What one rank uploaded for a step, written before the commit."""
+    """What one rank uploaded for one save, written before the commit."""
 
     step: int
     rank: int
+    save: SaveIdentity
+    world_size: int  # of the save it belongs to
     files: dict[str, FileEntry]
     uploaded_bytes: int
     deduplicated_bytes: int
@@ -189,6 +295,8 @@ class RankPart:
             {
                 "step": self.step,
                 "rank": self.rank,
+                "save": self.save.to_json(),
+                "world_size": self.world_size,
                 "files": {n: f.to_json() for n, f in self.files.items()},
                 "uploaded_bytes": self.uploaded_bytes,
                 "deduplicated_bytes": self.deduplicated_bytes,
@@ -203,6 +311,8 @@ class RankPart:
         return cls(
             step=int(raw["step"]),
             rank=int(raw["rank"]),
+            save=SaveIdentity.from_json(raw["save"]),
+            world_size=int(raw["world_size"]),
             files={k: FileEntry.from_json(v) for k, v in raw["files"].items()},
             uploaded_bytes=int(raw["uploaded_bytes"]),
             deduplicated_bytes=int(raw["deduplicated_bytes"]),

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
-from .manifest import Manifest
+from .manifest import Manifest, Mode, SaveIdentity
 
 
 class StoredObject(Protocol):
@@ -39,23 +39,36 @@ class Committed:
 @dataclasses.dataclass(frozen=True, slots=True)
 class SavePlan:
     step: int
-    mode: str  # what this save actually does: full | incremental | differential
+    mode: Mode  # what this save actually does: full | incremental | differential
     parent_step: int | None  # latest committed checkpoint before this one
     base_step: int  # last full checkpoint (this step itself when mode is full)
     since_full: int
     reference_step: int | None  # whose chunks need no upload (None: upload all)
+    save: SaveIdentity  # who this save is: its parts and its manifest carry it
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "save": self.save.to_json()}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> SavePlan:
+        save = SaveIdentity.from_json(raw["save"])
+        return cls(**{**raw, "mode": Mode(raw["mode"]), "save": save})
 
 
-def plan_save(step: int, *, mode: str, full_every: int, latest: Committed | None) -> SavePlan:
+def plan_save(
+    step: int, *, mode: Mode, full_every: int, latest: Committed | None, save: SaveIdentity
+) -> SavePlan:
     """Full when asked, when there is nothing to build on, or every ``full_every`` saves.
 
     ``latest`` may lag behind a commit still in flight: the delta is then taken
     against an older checkpoint, which costs bytes, never correctness.
     """
-    if latest is None or mode == "full" or latest.since_full + 1 >= full_every:
-        return SavePlan(step, "full", latest.step if latest else None, step, 0, None)
-    reference = latest.step if mode == "incremental" else latest.base_step
-    return SavePlan(step, mode, latest.step, latest.base_step, latest.since_full + 1, reference)
+    if latest is None or mode == Mode.FULL or latest.since_full + 1 >= full_every:
+        return SavePlan(step, Mode.FULL, latest.step if latest else None, step, 0, None, save)
+    reference = latest.step if mode == Mode.INCREMENTAL else latest.base_step
+    return SavePlan(
+        step, Mode(mode), latest.step, latest.base_step, latest.since_full + 1, reference, save
+    )
 
 
 def plan_retention(manifests: Sequence[Committed], keep_last: int) -> list[int]:

@@ -1,10 +1,19 @@
 """The persister: turns staged checkpoints into committed ones.
 
-For each staged slot (oldest first): read the reference manifest's chunks,
-upload this rank's part (uploader.py), free the slot, and, on rank 0, wait for
-every rank's part and commit the manifest, then apply retention. It runs in
-the sidecar process (sidecar.py) or on a thread of the training process
-(checkpointer.py), identically.
+For each staged slot (oldest first): upload this rank's part under the save's
+identity (uploader.py), and on rank 0 wait for every rank's part of that save
+and commit the manifest (store/commit.py), then apply retention. It runs in the
+sidecar process (sidecar.py) or on a thread of the training process
+(checkpointer.py), identically, and imports no torch.
+
+A slot is freed when the persister is done with it: other ranks' once their
+part is stored, rank 0's only once the commit is decided. So a sidecar killed
+after every part was stored still holds rank 0's slot at its next start, and
+commits then (or finds that its first commit had landed).
+
+A rank whose upload fails, and a commit that fails, leave a ``.failed`` marker
+under the save: the committer stops waiting for that save at once, and every
+rank's ``PendingSave.result()`` learns it within a poll.
 
 Stopping: ``run(stop)`` returns once ``stop`` is set and nothing is staged. A
 shutdown with a deadline (SIGTERM grace) finishes what is staged if it can;
@@ -14,24 +23,26 @@ checkpoint is never visible.
 
 from __future__ import annotations
 
-import functools
+import concurrent.futures as cf
 import logging
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from ..config import CheckpointConfig
-from ..errors import CheckpointError, NoCheckpointError, UploadAborted
-from ..format.manifest import Manifest, part_prefix
+from ..errors import CheckpointError, NoCheckpointError, SaveFailed, UploadAborted
+from ..format.manifest import ChunkRef, Manifest, SaveIdentity
 from ..format.policy import Committed
 from ..metrics import CheckpointMetrics
+from ..store import commit as commits
 from ..store import repository
 from ..store.base import ObjectStore
-from . import staging
+from . import slots
 from .uploader import StagedFile, UploadSettings, upload_rank
 
 log = logging.getLogger("ctj.persist")
+
+Watched = tuple[int, SaveIdentity]
 
 
 class Persister:
@@ -59,42 +70,69 @@ class Persister:
         )
         self.deadline: float | None = None  # monotonic; set by shutdown
         self.wake = threading.Event()
-        self.failures: dict[int, str] = {}  # step -> why it was not persisted
-        self._reference_cache: tuple[int, set[str]] | None = None
+        self.started_at = time.time()
+        self._reference_cache: tuple[int, dict[str, ChunkRef]] | None = None
+        self._watchers: dict[Watched, cf.Future[Manifest | None]] = {}
+        self._lock = threading.Lock()
+
+    # -- in-process completion: futures, no polling -----------------------------
+
+    def watch(self, step: int, save: SaveIdentity) -> cf.Future[Manifest | None]:
+        """A future of this rank's part of the save: the manifest once rank 0 committed
+        it, None once another rank's part is stored; the SaveFailed if it failed.
+        Register before marking the slot ready."""
+        fut: cf.Future[Manifest | None] = cf.Future()
+        with self._lock:
+            self._watchers[(step, save)] = fut
+        return fut
+
+    def _resolve(
+        self, staged: slots.StagedCheckpoint, result: Manifest | SaveFailed | None
+    ) -> None:
+        with self._lock:
+            fut = self._watchers.pop((staged.step, staged.save), None)
+        if fut is None or fut.done():
+            return
+        if isinstance(result, SaveFailed):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
 
     # -- one staged checkpoint ------------------------------------------------
 
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
-    def _reference_chunks(self, step: int | None) -> set[str]:
+    def _reference_chunks(self, step: int | None) -> dict[str, ChunkRef]:
         if step is None:
-            return set()
+            return {}
         if self._reference_cache and self._reference_cache[0] == step:
             return self._reference_cache[1]
         try:
-            ids = repository.read_manifest(self.store, step, retired_too=True).chunk_ids()
+            manifest = repository.read_manifest(self.store, step, retired_too=True)
+            chunks = {c.id: c for f in manifest.files.values() for c in f.chunks}
         except NoCheckpointError:
             log.warning("reference checkpoint %d is gone: uploading every chunk", step)
-            ids = set()
-        self._reference_cache = (step, ids)
-        return ids
+            chunks = {}
+        self._reference_cache = (step, chunks)
+        return chunks
 
-    def upload(self, slot: Path, staged: staging.StagedCheckpoint) -> None:
-        """Upload one rank's staged checkpoint, write its part, free the slot."""
+    def upload(self, slot: Path, staged: slots.StagedCheckpoint) -> None:
+        """Upload one rank's staged checkpoint and store its part."""
         started = time.monotonic()
-        log.info("uploading step %d (rank %d)", staged.step, staged.rank)
+        log.info("uploading step %d (rank %d, %s)", staged.step, staged.rank, staged.save)
         files = [StagedFile(name, str(slot / name), items) for name, items in staged.files]
         part = upload_rank(
             self.store,
             step=staged.step,
             rank=staged.rank,
+            save=staged.save,
+            world_size=staged.world_size,
             files=files,
             reference=self._reference_chunks(staged.plan.reference_step),
             settings=self.settings,
             should_stop=self._past_deadline,
         )
-        staging.release(slot)
         self.metrics.upload.observe(time.monotonic() - started)
         self.metrics.bytes.labels(kind="uploaded").inc(part.uploaded_bytes)
         self.metrics.bytes.labels(kind="deduplicated").inc(part.deduplicated_bytes)
@@ -106,12 +144,12 @@ class Persister:
             part.deduplicated_bytes,
         )
 
-    def commit(self, staged: staging.StagedCheckpoint) -> Manifest:
-        """Rank 0's job: once every rank's part is stored, write the manifest."""
+    def commit(self, staged: slots.StagedCheckpoint) -> Manifest:
+        """Rank 0's job: once every rank's part of this save is stored, write the manifest."""
         self._wait_for_parts(staged)
         if self._past_deadline():
             raise UploadAborted(f"step {staged.step}: shutdown grace ran out before the commit")
-        manifest = repository.commit(
+        manifest = commits.commit(
             self.store,
             staged.plan,
             world_size=staged.world_size,
@@ -119,32 +157,38 @@ class Persister:
             timings={"stage": staged.stage_seconds, "persist": time.time() - staged.staged_at},
             versions=self.versions,
         )
-        staging.write_state(self.root, Committed.of(manifest), self.config.uri)
+        slots.write_state(self.root, Committed.of(manifest), self.config.uri)
         self.metrics.commit.observe(max(0.0, time.time() - staged.staged_at))
         self.metrics.bytes.labels(kind="logical").inc(manifest.logical_bytes)
         self.metrics.last_success.set(manifest.created)
         self.metrics.last_step.set(manifest.step)
         log.info(
-            "committed step %d (%s, %d bytes uploaded of %d)",
+            "committed step %d (%s, %d bytes uploaded of %d; %s)",
             manifest.step,
             manifest.mode,
             manifest.uploaded_bytes,
             manifest.logical_bytes,
+            staged.save,
         )
         self._retention(manifest.step)
         return manifest
 
-    def _wait_for_parts(self, staged: staging.StagedCheckpoint) -> None:
+    def _wait_for_parts(self, staged: slots.StagedCheckpoint) -> None:
+        """Poll the save's parts (the other ranks are other processes): until all are
+        there, one says it failed, or the commit timeout passes."""
         give_up = time.monotonic() + self.config.commit_timeout_s
         delay = 0.01
         while True:
-            have = sum(1 for _ in self.store.list(part_prefix(staged.step)))
-            if have >= staged.world_size:
+            state = commits.progress(self.store, staged.step, staged.save)
+            if state.failed:
+                why = commits.failure_reasons(self.store, staged.step, staged.save, state.failed)
+                raise SaveFailed(f"step {staged.step}: not committing, {why}")
+            if len(state.ranks) >= staged.world_size:
                 return
             if time.monotonic() >= give_up or self._past_deadline():
-                raise CheckpointError(
-                    f"step {staged.step}: only {have} of {staged.world_size} ranks uploaded "
-                    f"within {self.config.commit_timeout_s:.0f}s; not committing"
+                raise SaveFailed(
+                    f"step {staged.step}: only {len(state.ranks)} of {staged.world_size} ranks "
+                    f"uploaded within {self.config.commit_timeout_s:.0f}s; not committing"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
@@ -156,13 +200,20 @@ class Persister:
         except Exception:  # noqa: BLE001 - housekeeping; the commit stands
             log.exception("retention or gc after step %d failed", step)
 
+    def _recovered(self, staged: slots.StagedCheckpoint) -> Manifest | SaveFailed | None:
+        """For rank 0's slot staged before this persister started (a restart): what had
+        become of its save (committed, or failed for good), None if still to commit."""
+        if staged.staged_at >= self.started_at:
+            return None
+        return commits.outcome(self.store, staged.step, staged.save)
+
     # -- the loop ------------------------------------------------------------------
 
     def publish_latest(self) -> None:
         """Tell the trainer (state.json) what the store's latest commit is, at start-up."""
         latest = repository.latest_manifest(self.store)
         if latest is not None:
-            staging.write_state(self.root, Committed.of(latest), self.config.uri)
+            slots.write_state(self.root, Committed.of(latest), self.config.uri)
 
     def run_once(self) -> bool:
         """Persist everything staged now; False if there was nothing to do.
@@ -170,37 +221,65 @@ class Persister:
         Every staged rank is uploaded before any commit is attempted: one sidecar
         may serve several ranks of a step (nprocPerNode > 1), rank 0 among them.
         """
-        work = staging.pending(self.root, self.rank)
+        work = slots.pending(self.root, self.rank)
         to_commit = []
-        failed: set[int] = set()
         for slot, staged in work:
-            if self._attempt(staged, "upload", functools.partial(self.upload, slot, staged)):
-                if staged.rank == 0:
-                    to_commit.append(staged)
-            else:
-                failed.add(staged.step)
-                staging.release(slot)
-        for staged in to_commit:
-            if staged.step in failed:  # a rank of it failed here: no point waiting for it
+            if staged.rank == 0 and (decided := self._recovered(staged)) is not None:
+                what = "committed" if isinstance(decided, Manifest) else str(decided)
+                log.info("step %d had been decided before a restart: %s", staged.step, what)
+                self._finish(slot, staged, decided)
                 continue
-            self._attempt(staged, "commit", functools.partial(self.commit, staged))
+            if not self._upload_or_report(slot, staged):
+                continue
+            if staged.rank == 0:
+                to_commit.append((slot, staged))  # its slot stays until the commit is decided
+            else:
+                self._finish(slot, staged, None)
+        for slot, staged in to_commit:
+            try:
+                manifest = self.commit(staged)
+            except UploadAborted:
+                self.metrics.failures.labels(stage="commit").inc()
+                raise  # the slot stays staged for the next start
+            except Exception as exc:  # noqa: BLE001 - counted, logged, told; the job trains on
+                self._fail(slot, staged, "commit", exc)
+                continue
+            self._finish(slot, staged, manifest)
         return bool(work)
 
-    def _attempt(
-        self, staged: staging.StagedCheckpoint, stage: str, fn: Callable[[], object]
-    ) -> bool:
+    def _upload_or_report(self, slot: Path, staged: slots.StagedCheckpoint) -> bool:
+        if staged.staged_at < self.started_at and commits.has_part(
+            self.store, staged.step, staged.save, staged.rank
+        ):
+            return True  # stored before a restart: nothing to redo
         try:
-            fn()
+            self.upload(slot, staged)
             return True
         except UploadAborted as exc:
             log.warning("%s", exc)
-            self.metrics.failures.labels(stage=stage).inc()
+            self.metrics.failures.labels(stage="upload").inc()
             raise
-        except Exception as exc:  # noqa: BLE001 - counted and logged; the job trains on
-            self.metrics.failures.labels(stage=stage).inc()
-            self.failures[staged.step] = str(exc)
-            log.error("step %d (rank %d) not persisted: %s", staged.step, staged.rank, exc)
+        except Exception as exc:  # noqa: BLE001 - counted, logged, told; the job trains on
+            self._fail(slot, staged, "upload", exc)
             return False
+
+    def _fail(
+        self, slot: Path, staged: slots.StagedCheckpoint, stage: str, exc: BaseException
+    ) -> None:
+        self.metrics.failures.labels(stage=stage).inc()
+        who = "commit" if stage == "commit" else f"rank-{staged.rank}"
+        commits.report_failure(self.store, staged.step, staged.save, who, str(exc))
+        log.error("step %d (rank %d) not persisted: %s", staged.step, staged.rank, exc)
+        failure = exc if isinstance(exc, SaveFailed) else SaveFailed(
+            f"save of step {staged.step} failed at {stage}: {exc}"
+        )
+        self._finish(slot, staged, failure)
+
+    def _finish(
+        self, slot: Path, staged: slots.StagedCheckpoint, result: Manifest | SaveFailed | None
+    ) -> None:
+        slots.release(slot)
+        self._resolve(staged, result)
 
     def shutdown(self, stop: threading.Event, grace_s: float) -> None:
         """Ask run() to finish: what is staged gets ``grace_s`` more, counted from now."""
@@ -224,3 +303,6 @@ class Persister:
             log.warning(
                 "shutdown grace of %.1fs ran out; staged checkpoints left uncommitted", grace_s
             )
+        except CheckpointError:
+            log.exception("the persister stopped")
+            raise

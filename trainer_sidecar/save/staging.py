@@ -1,17 +1,10 @@
-"""Staging slots: reusable memory-backed buffers between the trainer and the sidecar.
+"""The one copy of a save: a rank's state into its staging slot (see slots.py).
 
-A save copies the state once, into a slot: a file in a memory-backed directory
-(/dev/shm locally, an emptyDir with medium Memory in a pod) that stays mapped
-between saves, so after the first save the copy lands in already-touched pages.
-The trainer writes the slot's data, then ``ready.json`` (atomically) last;
-the slot is busy until the persister has uploaded it and removed ``ready.json``.
-A trainer killed mid-copy leaves no ``ready.json``: the slot is simply free.
-
-    <root>/state.json                     latest commit, written by rank 0's persister
-    <root>/rank-<r>/slot-<k>/__<r>_0.distcp   raw tensor bytes, kept mapped (see dcp_storage)
-    <root>/rank-<r>/slot-<k>/__<r>_1.distcp   non-tensor values (DCP's byte streams)
-    <root>/rank-<r>/slot-<k>/.metadata        DCP metadata (coordinator's slot only)
-    <root>/rank-<r>/slot-<k>/ready.json       the staged checkpoint's description
+Each slot's tensor file stays mapped between saves, so after the first save the
+copy lands in already-touched pages; it is allocated up front (fallocate), so a
+staging volume that is full gives a CheckpointError at the save, never a SIGBUS
+in the middle of the copy. ``StagingWriter`` is the DCP StorageWriter that
+plans a save into a slot; ``stage_items`` copies in an already planned layout.
 
 With one slot per rank (the default) host memory stays at one copy of the
 rank's state; a save that finds its slot still uploading waits or is skipped.
@@ -20,14 +13,12 @@ rank's state; a save that finds its slot still uploading waits or is skipped.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
-import json
 import mmap
 import os
 import pickle
-import shutil
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,128 +29,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ..errors import CheckpointError
 from ..format.chunking import Span
 from ..format.manifest import METADATA_FILE, rank_file_name
-from ..format.policy import Committed
-from ..format.policy import SavePlan as CkptPlan
-
-READY = "ready.json"
-STATE = "state.json"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StagedCheckpoint:
-    """ready.json: everything the persister needs, nothing the trainer must still do."""
-
-    step: int
-    rank: int
-    world_size: int
-    plan: CkptPlan
-    files: tuple[tuple[str, tuple[Span, ...]], ...]  # (file name in slot, item extents)
-    staged_at: float  # wall clock, for the end-to-end latency metric
-    stage_seconds: float
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "step": self.step,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "plan": dataclasses.asdict(self.plan),
-                "files": [[n, [[s.offset, s.length] for s in items]] for n, items in self.files],
-                "staged_at": self.staged_at,
-                "stage_seconds": self.stage_seconds,
-            }
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> StagedCheckpoint:
-        raw = json.loads(text)
-        return cls(
-            step=int(raw["step"]),
-            rank=int(raw["rank"]),
-            world_size=int(raw["world_size"]),
-            plan=CkptPlan(**raw["plan"]),
-            files=tuple(
-                (str(n), tuple(Span(o, ln) for o, ln in items)) for n, items in raw["files"]
-            ),
-            staged_at=float(raw["staged_at"]),
-            stage_seconds=float(raw["stage_seconds"]),
-        )
-
-
-def rank_dir(root: Path, rank: int) -> Path:
-    return root / f"rank-{rank}"
-
-
-def slot_dirs(root: Path, rank: int, count: int) -> list[Path]:
-    return [rank_dir(root, rank) / f"slot-{k}" for k in range(count)]
-
-
-def free_slot(root: Path, rank: int, count: int) -> Path | None:
-    for slot in slot_dirs(root, rank, count):
-        if not (slot / READY).exists():
-            return slot
-    return None
-
-
-def wait_free_slot(root: Path, rank: int, count: int, timeout_s: float) -> Path | None:
-    """Poll (1 ms growing to 50 ms) until a slot frees up or the timeout passes."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.001
-    while True:
-        slot = free_slot(root, rank, count)
-        if slot is not None or time.monotonic() >= deadline:
-            return slot
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-
-
-def remove_rank(root: Path, rank: int) -> None:
-    """Free a rank's staging buffers (unmapped first)."""
-    directory = rank_dir(root, rank)
-    with _MAPS_LOCK:
-        for path in [p for p in _MAPS if directory in p.parents]:
-            _MAPS.pop(path).close()
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def mark_ready(slot: Path, staged: StagedCheckpoint) -> None:
-    tmp = slot / (READY + ".tmp")
-    tmp.write_text(staged.to_json())
-    os.replace(tmp, slot / READY)
-
-
-def release(slot: Path) -> None:
-    (slot / READY).unlink(missing_ok=True)
-
-
-def pending(root: Path, rank: int | None = None) -> list[tuple[Path, StagedCheckpoint]]:
-    """Staged, not yet uploaded checkpoints under root (of one rank, or all), oldest first."""
-    found = []
-    ranks = "*" if rank is None else str(rank)
-    for ready in root.glob(f"rank-{ranks}/slot-*/{READY}"):
-        try:
-            found.append((ready.parent, StagedCheckpoint.from_json(ready.read_text())))
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
-            continue  # released meanwhile
-    return sorted(found, key=lambda p: (p[1].step, p[1].rank))
-
-
-def write_state(root: Path, committed: Committed, uri: str) -> None:
-    tmp = root / (STATE + ".tmp")
-    tmp.write_text(json.dumps({"uri": uri, **dataclasses.asdict(committed)}))
-    os.replace(tmp, root / STATE)
-
-
-def read_state(root: Path, uri: str) -> Committed | None:
-    try:
-        raw = json.loads((root / STATE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    if raw.pop("uri", None) != uri:
-        return None
-    return Committed(**raw)
+from . import device, slots
 
 
 class _MappedFile:
@@ -170,6 +43,8 @@ class _MappedFile:
         self.size = -1
         self.map: mmap.mmap | None = None
         self.tensor: torch.Tensor | None = None
+        self.pinned = False  # registered with CUDA for copies from a GPU (see device.py)
+        self._pin_tried = False
 
     def ensure(self, size: int) -> torch.Tensor:
         if size != self.size or not self.path.exists():
@@ -178,6 +53,7 @@ class _MappedFile:
             with open(self.path, "a+b") as f:
                 f.truncate(size)
                 if size:
+                    _allocate(f.fileno(), size, self.path)
                     self.map = mmap.mmap(f.fileno(), size)
             self.tensor = (
                 torch.frombuffer(self.map, dtype=torch.uint8)
@@ -188,7 +64,17 @@ class _MappedFile:
         assert self.tensor is not None
         return self.tensor
 
+    def pin(self) -> bool:
+        """Page-lock the mapping for copies from a GPU: once per mapping, on first use."""
+        if not self._pin_tried and self.map is not None and self.tensor is not None:
+            self._pin_tried = True
+            self.pinned = device.register(self.tensor.data_ptr(), self.size)
+        return self.pinned
+
     def close(self) -> None:
+        if self.pinned and self.tensor is not None:  # unpinned before it is unmapped
+            device.unregister(self.tensor.data_ptr())
+        self.pinned = self._pin_tried = False
         self.tensor = None
         if self.map is not None:
             try:
@@ -199,8 +85,37 @@ class _MappedFile:
         self.size = -1
 
 
+def _allocate(fd: int, size: int, path: Path) -> None:
+    """Reserve the slot's pages now: on a full tmpfs a write into a mapping is a SIGBUS."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise CheckpointError(
+                f"the staging volume has no room for {size:,} bytes at {path.parent}: give it "
+                "more (the pod's staging emptyDir sizeLimit, or /dev/shm), or use fewer "
+                "staging_slots"
+            ) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without it
+            raise
+
+
 _MAPS: dict[Path, _MappedFile] = {}
 _MAPS_LOCK = threading.Lock()
+
+
+def unmap_rank(root: Path, rank: int) -> None:
+    """Close this process's mappings of a rank's slots (the files stay)."""
+    directory = slots.rank_dir(root, rank)
+    with _MAPS_LOCK:
+        for path in [p for p in _MAPS if directory in p.parents]:
+            _MAPS.pop(path).close()
+
+
+def remove_rank(root: Path, rank: int) -> None:
+    """Free a rank's staging buffers: unmapped first, then deleted."""
+    unmap_rank(root, rank)
+    slots.remove_rank_dir(root, rank)
 
 
 def mapped(path: Path) -> _MappedFile:
@@ -215,12 +130,13 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return (t if t.is_contiguous() else t.contiguous()).reshape(-1)
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src``'s bytes into the uint8 ``dst``, typed where aligned (the faster kernel)."""
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
+    """Copy ``src``'s bytes into the uint8 ``dst``, typed where aligned (the faster kernel).
+    ``non_blocking`` (a GPU source) only issues the copy: the caller synchronises."""
     if dst.storage_offset() % src.element_size() == 0:
-        dst.view(src.dtype).copy_(src)
+        dst.view(src.dtype).copy_(src, non_blocking=non_blocking)
     else:
-        dst.copy_(src.view(torch.uint8))
+        dst.copy_(src.view(torch.uint8), non_blocking=non_blocking)
 
 
 StagedFiles = list[tuple[str, tuple[Span, ...]]]  # (file name in the slot, item extents)
@@ -277,14 +193,22 @@ def stage_items(
         sources.append(_flat(data))
     sizes = [t.numel() * t.element_size() for t in sources]
     name = rank_file_name(rank, 0)
-    buffer = mapped(slot / name).ensure(sum(sizes))
+    target = mapped(slot / name)
+    buffer = target.ensure(sum(sizes))
+    gpus = device.cuda_devices(sources)  # empty on CPU: no CUDA call below
+    if gpus:
+        target.pin()
     results, extents, offset = [], [], 0
-    for item, source, size in zip(tensor_items, sources, sizes, strict=True):
-        if size:
-            _copy_into(buffer[offset : offset + size], source)
-        results.append(WriteResult(item.index, size, (name, offset, size)))
-        extents.append(Span(offset, size))
-        offset += size
+    try:
+        for item, source, size in zip(tensor_items, sources, sizes, strict=True):
+            if size:
+                _copy_into(buffer[offset : offset + size], source, non_blocking=source.is_cuda)
+            results.append(WriteResult(item.index, size, (name, offset, size)))
+            extents.append(Span(offset, size))
+            offset += size
+    finally:  # every GPU copy landed (also on an error: none may write into a remapped slot)
+        if gpus:
+            device.synchronize(gpus)
     files: StagedFiles = [(name, tuple(extents))]
     if byte_items:
         blobs = serialize_bytes(byte_items, planner) if blobs is None else blobs

@@ -4,6 +4,11 @@ Memory stays bounded: the staged file is memory-mapped, and at most
 ``parallelism * 2`` chunks are in flight (hashing, compressing or uploading)
 at once. Chunks already in the reference checkpoint, or already sent by this
 upload, are not sent again.
+
+Deduplication keys on the stored object, not just the content id: a chunk the
+reference holds is named exactly as the reference stored it (its codec, its
+stored size), whatever this save's compression is, so switching zstd on or off
+between saves or runs never names an object that does not exist.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ import zstandard
 
 from ..errors import UploadAborted
 from ..format import chunking
-from ..format.manifest import ChunkRef, FileEntry, RankPart, part_key
+from ..format.manifest import ChunkRef, Codec, FileEntry, RankPart, SaveIdentity
 from ..store.base import ObjectStore
+from ..store.commit import store_part
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +48,7 @@ class UploadSettings:
     block_size: int = chunking.DEFAULT_BLOCK_SIZE
     pack_size: int = chunking.DEFAULT_PACK_SIZE
     parallelism: int = 8
-    compression: str = "none"  # none | zstd
+    compression: Codec = Codec.NONE
     zstd_level: int = 1
 
 
@@ -61,19 +67,23 @@ def _mapped(path: str) -> Iterator[memoryview]:
 
 
 class _Dedup:
-    """Chunk ids that need no upload: the reference's, plus those this upload claimed."""
+    """Chunks that need no upload: the reference's stored objects, and this upload's own."""
 
-    def __init__(self, reference: set[str]) -> None:
-        self._known = set(reference)
+    def __init__(self, reference: dict[str, ChunkRef]) -> None:
+        self._reference = reference  # by chunk id
+        self._claimed: dict[str, cf.Future[ChunkRef]] = {}
         self._lock = threading.Lock()
 
-    def claim(self, chunk_id: str) -> bool:
-        """True if the caller should upload this chunk (first to see it)."""
+    def claim(self, chunk_id: str) -> tuple[ChunkRef | cf.Future[ChunkRef], bool]:
+        """(the stored chunk, or a future of it; True if the caller must upload it)."""
         with self._lock:
-            if chunk_id in self._known:
-                return False
-            self._known.add(chunk_id)
-            return True
+            if chunk_id in self._reference:
+                return self._reference[chunk_id], False
+            if chunk_id in self._claimed:
+                return self._claimed[chunk_id], False
+            fut: cf.Future[ChunkRef] = cf.Future()
+            self._claimed[chunk_id] = fut
+            return fut, True
 
 
 def upload_rank(
@@ -81,13 +91,18 @@ def upload_rank(
     *,
     step: int,
     rank: int,
+    save: SaveIdentity,
+    world_size: int,
     files: list[StagedFile],
-    reference: set[str],
+    reference: dict[str, ChunkRef],
     settings: UploadSettings,
     progress: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> RankPart:
-    """Upload the files, write ``parts/<step>/rank-<r>.json``, return that part."""
+    """Upload the files, store this save's part for the rank, return that part.
+
+    ``reference`` maps chunk ids to how the reference checkpoint stored them.
+    """
     started = time.monotonic()
     dedup = _Dedup(reference)
     uploaded = deduplicated = 0
@@ -100,22 +115,25 @@ def upload_rank(
             raise UploadAborted(f"upload of step {step} (rank {rank}) stopped")
         with whole[span.offset : span.end] as view:  # released here, so the map can close
             cid, blocks = chunking.hash_chunk(view, settings.block_size)
-            codec = settings.compression
-            stored_size = len(view)
-            if dedup.claim(cid):
-                body: bytes | memoryview = view
-                if codec == "zstd":
-                    body = zstandard.ZstdCompressor(level=settings.zstd_level).compress(view)
-                    stored_size = len(body)
-                store.put(ChunkRef(cid, 0, 0, codec, ()).key, body)
+            known, mine = dedup.claim(cid)
+            if mine:
+                assert isinstance(known, cf.Future)
+                try:
+                    ref = _store_chunk(store, view, cid, tuple(blocks), settings)
+                except BaseException as exc:
+                    known.set_exception(exc)
+                    raise
+                known.set_result(ref)
                 with counter_lock:
                     uploaded += len(view)
-            else:
-                with counter_lock:
-                    deduplicated += len(view)
+        if not mine:
+            # the reference's object as stored, or this upload's own (a chunk seen twice)
+            ref = known.result() if isinstance(known, cf.Future) else known
+            with counter_lock:
+                deduplicated += span.length
         if progress:
             progress(span.length)
-        return ChunkRef(cid, span.length, stored_size, codec, tuple(blocks))
+        return ref
 
     with cf.ThreadPoolExecutor(settings.parallelism, thread_name_prefix="ctj-upload") as pool:
         for staged in files:
@@ -133,6 +151,8 @@ def upload_rank(
     part = RankPart(
         step=step,
         rank=rank,
+        save=save,
+        world_size=world_size,
         files=entries,
         uploaded_bytes=uploaded,
         deduplicated_bytes=deduplicated,
@@ -140,8 +160,24 @@ def upload_rank(
     )
     if should_stop is not None and should_stop():
         raise UploadAborted(f"upload of step {step} (rank {rank}) stopped before its part")
-    store.put(part_key(step, rank), part.to_bytes())
+    store_part(store, part)
     return part
+
+
+def _store_chunk(
+    store: ObjectStore,
+    view: memoryview,
+    chunk_id: str,
+    blocks: tuple[str, ...],
+    settings: UploadSettings,
+) -> ChunkRef:
+    """PUT one chunk under its id and this save's codec; the reference to it, sizes exact."""
+    body: bytes | memoryview = view
+    if settings.compression == Codec.ZSTD:
+        body = zstandard.ZstdCompressor(level=settings.zstd_level).compress(view)
+    ref = ChunkRef(chunk_id, len(view), len(body), Codec(settings.compression), blocks)
+    store.put(ref.key, body)
+    return ref
 
 
 def _run_bounded(

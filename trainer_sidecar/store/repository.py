@@ -1,8 +1,8 @@
 """Operations on a checkpoint location: list, read, commit, retention, gc, remove.
 
 Everything here is a thin adapter between the object store and the pure rules
-in policy.py. The commit is one create-only write of the manifest; nothing
-else makes a checkpoint visible.
+in policy.py. The commit (commit.py) is one create-only write of the manifest;
+nothing else makes a checkpoint visible.
 
 Removing a checkpoint (retention or ``rm``) *retires* its manifest: it moves to
 ``retired/`` and its chunks stay live for the gc grace period. A save in flight
@@ -19,7 +19,6 @@ import time
 from ..errors import (
     CheckpointError,
     NoCheckpointError,
-    ObjectExists,
     ObjectNotFound,
 )
 from ..format import policy
@@ -28,11 +27,11 @@ from ..format.manifest import (
     MANIFESTS,
     PARTS,
     RETIRED,
-    FileEntry,
     Manifest,
+    PartKey,
     RankPart,
+    SaveIdentity,
     manifest_key,
-    part_prefix,
     retired_key,
     step_of_manifest_key,
 )
@@ -73,59 +72,6 @@ def latest_manifest(store: ObjectStore, *, before: int | None = None) -> Manifes
         except CheckpointError as exc:
             log.warning("skipping checkpoint %d: %s", step, exc)
     return None
-
-
-def read_parts(store: ObjectStore, step: int) -> list[RankPart]:
-    return [RankPart.from_bytes(store.get(o.key)) for o in store.list(part_prefix(step))]
-
-
-def commit(
-    store: ObjectStore,
-    plan: policy.SavePlan,
-    *,
-    world_size: int,
-    block_size: int,
-    timings: dict[str, float],
-    versions: dict[str, str],
-) -> Manifest:
-    """Write the manifest from every rank's part; raises if a part is missing.
-
-    Chunks a rank did not upload were named by its reference manifest when it
-    read it; a retired reference keeps them for the gc grace, so they are there.
-    """
-    parts = read_parts(store, plan.step)
-    ranks = {p.rank for p in parts}
-    missing = sorted(set(range(world_size)) - ranks)
-    if missing:
-        raise CheckpointError(f"cannot commit step {plan.step}: ranks {missing} did not upload")
-    files: dict[str, FileEntry] = {}
-    for part in parts:
-        files.update(part.files)
-    timings = dict(timings, upload_max=max(p.upload_seconds for p in parts))
-    manifest = Manifest(
-        step=plan.step,
-        mode=plan.mode,
-        parent_step=plan.parent_step,
-        base_step=plan.base_step,
-        since_full=plan.since_full,
-        world_size=world_size,
-        block_size=block_size,
-        files=files,
-        logical_bytes=sum(f.size for f in files.values()),
-        uploaded_bytes=sum(p.uploaded_bytes for p in parts),
-        deduplicated_bytes=sum(p.deduplicated_bytes for p in parts),
-        created=time.time(),
-        timings=timings,
-        versions=versions,
-    )
-    try:
-        store.put(manifest_key(plan.step), manifest.to_bytes(), if_absent=True)
-    except ObjectExists:
-        raise CheckpointError(
-            f"step {plan.step} is already committed at this location; a commit never overwrites"
-        ) from None
-    store.delete(o.key for o in store.list(part_prefix(plan.step)))
-    return manifest
 
 
 def apply_retention(store: ObjectStore, keep_last: int) -> list[int]:
@@ -173,9 +119,11 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
     sweep the rest past grace."""
     now = store_now(store)
     referenced: set[str] = set()
-    committed = set(committed_steps(store))
-    for step in committed:
-        referenced |= read_manifest(store, step).chunk_keys()
+    committed_saves: dict[int, SaveIdentity | None] = {}
+    for step in committed_steps(store):
+        manifest = read_manifest(store, step)
+        referenced |= manifest.chunk_keys()
+        committed_saves[step] = manifest.save
     old_retired = []
     for obj in store.list(RETIRED):
         if now - obj.last_modified >= grace_s:
@@ -186,20 +134,26 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
         except ObjectNotFound:
             continue
     part_objects = list(store.list(PARTS))
+    stale_parts = []
     for obj in part_objects:
-        try:
+        parsed = PartKey.parse(obj.key)
+        if parsed is None:
+            continue
+        if parsed.step in committed_saves and parsed.save == committed_saves[parsed.step]:
+            stale_parts.append(obj.key)  # the committed save's: a cleanup was interrupted
+            continue
+        if now - obj.last_modified >= grace_s:
+            stale_parts.append(obj.key)  # a save that never committed (or lost): aged out
+            continue
+        if not parsed.is_part:
+            continue
+        try:  # possibly in flight: what it names stays
             part = RankPart.from_bytes(store.get(obj.key))
-        except ObjectNotFound:
+        except (ObjectNotFound, ValueError, KeyError, TypeError):
             continue
         referenced |= {c.key for f in part.files.values() for c in f.chunks}
     chunks = list(store.list(CHUNKS))
     doomed = set(policy.plan_gc(chunks, referenced, now=now, grace_s=grace_s))
-    # parts of committed steps are leftovers of an interrupted cleanup; others age out
-    stale_parts = [
-        o.key
-        for o in part_objects
-        if int(o.key[len(PARTS) :].split("/")[0]) in committed or now - o.last_modified >= grace_s
-    ]
     if not dry_run:
         store.delete(sorted(doomed))
         store.delete(stale_parts)

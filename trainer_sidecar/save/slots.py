@@ -1,0 +1,221 @@
+"""The staging slot protocol between a trainer and its persister (no torch here).
+
+A save copies a rank's state once, into a slot: files in a memory-backed
+directory (/dev/shm locally, an emptyDir with medium Memory in a pod). The
+trainer writes the slot's data, then ``ready.json`` (atomically) last; the slot
+is busy until the persister is done with it and removes ``ready.json``. A
+trainer killed mid-copy leaves no ``ready.json``: the slot is simply free.
+
+    <root>/state.json                          latest commit, written by rank 0's persister
+    <root>/rank-<r>.lock                       held (flock) by the one trainer staging rank r
+    <root>/rank-<r>/slot-<k>/__<r>_0.distcp    raw tensor bytes (kept mapped, save/staging.py)
+    <root>/rank-<r>/slot-<k>/__<r>_1.distcp    non-tensor values (DCP's byte streams)
+    <root>/rank-<r>/slot-<k>/.metadata         DCP metadata (coordinator's slot only)
+    <root>/rank-<r>/slot-<k>/ready.json        the staged checkpoint's description
+
+The root is private (mode 0700, owned by us, checked): whoever can write a slot
+decides what gets committed. The sidecar (sidecar.py) reads slots through this
+module alone, so it never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import stat
+import time
+from pathlib import Path
+
+from ..errors import CheckpointError
+from ..format.chunking import Span
+from ..format.manifest import SaveIdentity
+from ..format.policy import Committed, SavePlan
+
+READY = "ready.json"
+STATE = "state.json"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagedCheckpoint:
+    """ready.json: everything the persister needs, nothing the trainer must still do."""
+
+    step: int
+    rank: int
+    world_size: int
+    plan: SavePlan  # rank 0's decision, the save's identity included
+    files: tuple[tuple[str, tuple[Span, ...]], ...]  # (file name in slot, item extents)
+    staged_at: float  # wall clock, for the end-to-end latency metric
+    stage_seconds: float
+
+    @property
+    def save(self) -> SaveIdentity:
+        return self.plan.save
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "step": self.step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "plan": self.plan.to_json(),
+                "files": [[n, [[s.offset, s.length] for s in items]] for n, items in self.files],
+                "staged_at": self.staged_at,
+                "stage_seconds": self.stage_seconds,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> StagedCheckpoint:
+        raw = json.loads(text)
+        return cls(
+            step=int(raw["step"]),
+            rank=int(raw["rank"]),
+            world_size=int(raw["world_size"]),
+            plan=SavePlan.from_json(raw["plan"]),
+            files=tuple(
+                (str(n), tuple(Span(o, ln) for o, ln in items)) for n, items in raw["files"]
+            ),
+            staged_at=float(raw["staged_at"]),
+            stage_seconds=float(raw["stage_seconds"]),
+        )
+
+
+def prepare_root(root: Path) -> Path:
+    """Create the job's staging directory 0700, or check that an existing one is ours.
+
+    A directory someone else owns (or can write) could feed our persister a slot
+    of their making, or read our state: refuse it with the fix.
+    """
+    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = root.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise CheckpointError(
+            f"staging path {root} is not a directory: remove it or set CTJ_STAGING_DIR"
+        )
+    if info.st_uid != os.geteuid():
+        raise CheckpointError(
+            f"staging directory {root} belongs to uid {info.st_uid}, not to this process "
+            f"(uid {os.geteuid()}): use a directory of your own (CTJ_STAGING_DIR), and run the "
+            "trainer and its sidecar as the same user"
+        )
+    if info.st_mode & 0o077:
+        os.chmod(root, 0o700)
+    return root
+
+
+class RankLock:
+    """An exclusive lock on (staging root, rank) for the life of one Checkpointer.
+
+    Two trainers staging the same rank into the same root would overwrite each
+    other's slots; the second one gets a CheckpointError instead. The kernel drops
+    the lock when its process dies (kill -9 included), so a restart never waits.
+    """
+
+    def __init__(self, root: Path, rank: int) -> None:
+        self.path = root / f"rank-{rank}.lock"
+        self._fd: int | None = None
+        self.rank = rank
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise CheckpointError(
+                f"rank {self.rank} is already staging in {self.path.parent} (pid {holder}): "
+                "two processes may not share a rank's staging; check RANK, close() the other "
+                "Checkpointer, or give each job its own CTJ_STAGING_DIR"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+def rank_dir(root: Path, rank: int) -> Path:
+    return root / f"rank-{rank}"
+
+
+def slot_dirs(root: Path, rank: int, count: int) -> list[Path]:
+    return [rank_dir(root, rank) / f"slot-{k}" for k in range(count)]
+
+
+def free_slot(root: Path, rank: int, count: int) -> Path | None:
+    for slot in slot_dirs(root, rank, count):
+        if not (slot / READY).exists():
+            return slot
+    return None
+
+
+def wait_free_slot(root: Path, rank: int, count: int, timeout_s: float) -> Path | None:
+    """Poll (1 ms growing to 50 ms) until a slot frees up or the timeout passes.
+
+    The persister that frees it may be another process (the sidecar): a poll of
+    the slot files is the one cross-process signal both modes share.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while True:
+        slot = free_slot(root, rank, count)
+        if slot is not None or time.monotonic() >= deadline:
+            return slot
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def remove_rank_dir(root: Path, rank: int) -> None:
+    """Delete a rank's slots (their mappings must be closed first: save/staging.py)."""
+    shutil.rmtree(rank_dir(root, rank), ignore_errors=True)
+
+
+def mark_ready(slot: Path, staged: StagedCheckpoint) -> None:
+    tmp = slot / (READY + ".tmp")
+    tmp.write_text(staged.to_json())
+    os.replace(tmp, slot / READY)
+
+
+def release(slot: Path) -> None:
+    (slot / READY).unlink(missing_ok=True)
+
+
+def pending(root: Path, rank: int | None = None) -> list[tuple[Path, StagedCheckpoint]]:
+    """Staged, not yet persisted checkpoints under root (of one rank, or all), oldest first."""
+    found = []
+    ranks = "*" if rank is None else str(rank)
+    for ready in root.glob(f"rank-{ranks}/slot-*/{READY}"):
+        try:
+            found.append((ready.parent, StagedCheckpoint.from_json(ready.read_text())))
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, ValueError, TypeError):
+            continue  # released meanwhile, or not a slot this version wrote
+    return sorted(found, key=lambda p: (p[1].step, p[1].rank))
+
+
+def write_state(root: Path, committed: Committed, uri: str) -> None:
+    tmp = root / (STATE + ".tmp")
+    tmp.write_text(json.dumps({"uri": uri, **dataclasses.asdict(committed)}))
+    os.replace(tmp, root / STATE)
+
+
+def read_state(root: Path, uri: str) -> Committed | None:
+    try:
+        raw = json.loads((root / STATE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    if raw.pop("uri", None) != uri:
+        return None
+    return Committed(**raw)
