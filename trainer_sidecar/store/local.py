@@ -37,6 +37,10 @@ class LocalStore:
             raise ValueError(f"bad object key {key!r}")
         return self.root / key
 
+    def check_conditional_writes(self) -> None:
+        """Nothing to probe: link(2) atomically refuses a name that exists (S3Store's
+        method of the same name probes its server)."""
+
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,32 @@
 """S3 (and MinIO, SeaweedFS, Ceph RGW, ...) as an object store, through boto3.
 
 Credentials come from boto3's standard chain (environment, shared files, IRSA,
-instance metadata); they are never taken from a URI, logged or put in a metric.
-Retries are botocore's "standard" mode: only throttling, 5xx and connection
-errors are retried, with capped, jittered exponential backoff, then raised.
+instance metadata); they are never taken from a URI, logged, put in a metric or
+in an error message (messages name error codes and errno strings, never the
+text of an exception, and the endpoint without any user:password in it).
 Every chunk is at most 64 MiB, so each is one PUT; parallelism comes from the
 caller uploading many chunks at once (the chunks are the parts).
+
+Retries are ours, not botocore's (its retries are switched off): botocore's
+"standard" mode retries a request that fails (throttling, 5xx, connection
+errors) but not a GET whose body breaks while it streams (a reset, a read
+timeout, a body shorter than its Content-Length), which is the common way a
+large read fails. One loop (`S3Store._retrying`) retries every operation on
+the failures `classify` calls retryable, by exception type and S3 error code,
+never by message text: no connection / reset / closed before a reply, timeouts,
+a broken or short body, 5xx except 501, throttling codes, RequestTimeout, and
+409 ConditionalRequestConflict (two conditional writes raced; retried, after
+which a 412 means the object exists). Backoff is capped, fully jittered
+exponential, up to `S3Settings.max_attempts` attempts in all; then
+`StoreUnavailable`, one line naming the endpoint and the last error.
+A create-only PUT retried after a reply was lost may find its own object and
+raise ObjectExists: a committer reads the object back to tell (DESIGN, Fencing).
+
+Conditional writes are probed, not assumed: some S3-compatible servers ignore
+If-None-Match. The first create-only put of a store PUTs a probe object twice
+(`check_conditional_writes`); a server that accepts the second refuses the
+commit unless CTJ_S3_ALLOW_UNCONDITIONAL_WRITES=1 opts into check-then-write.
+
 Integrity on the way in: every PUT carries a CRC32 of its body
 (x-amz-checksum-crc32, checked by the server) instead of a SHA-256 of the
 body in its signature: four times cheaper on the CPU that trains (the request
@@ -19,22 +40,49 @@ from __future__ import annotations
 import base64
 import builtins
 import dataclasses
+import enum
+import functools
+import http.client
 import io
+import logging
 import os
+import random
+import socket
+import threading
+import time
+import uuid
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import boto3
 import botocore.config
-import botocore.exceptions
+import botocore.exceptions as bex
+import urllib3.exceptions
 
-from ..errors import CheckpointError, ObjectExists, ObjectNotFound
+from ..errors import CheckpointError, ObjectExists, ObjectNotFound, StoreUnavailable
 from .base import Location, ObjectInfo
 from .local import LocalStore
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+PROBE_PREFIX = ".ctj-probe/"
+ALLOW_UNCONDITIONAL_ENV = "CTJ_S3_ALLOW_UNCONDITIONAL_WRITES"
+
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
-_EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+_EXISTS = {"PreconditionFailed", "412"}
+_CONFLICT = {"ConditionalRequestConflict", "409"}
+_NOT_IMPLEMENTED = {"NotImplemented", "501"}
+_TRANSIENT_CODES = {
+    # botocore's transient and throttling codes, and the 5xx codes S3 sends in
+    # DeleteObjects' per-key errors (which arrive in a 200 reply)
+    "RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete", "InternalError",
+    "ServiceUnavailable", "SlowDown", "Throttling", "ThrottlingException", "ThrottledException",
+    "RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded",
+    "BandwidthLimitExceeded", "RequestThrottled", "OperationAborted",
+}  # fmt: skip
 _BAD_CREDENTIALS = {
     "InvalidAccessKeyId",
     "SignatureDoesNotMatch",
@@ -43,6 +91,135 @@ _BAD_CREDENTIALS = {
     "ExpiredToken",
     "403",
 }
+
+
+class Failure(enum.Enum):
+    """What a failed S3 call means for us; the first three are retried."""
+
+    UNREACHABLE = "unreachable"  # no reply at all: refused, reset, closed, connect timeout
+    TRANSIENT = "transient"  # 5xx, throttling, read timeout, a body broken or cut short
+    CONFLICT = "conflict"  # 409: a conditional write raced another
+    NOT_FOUND = "not-found"
+    EXISTS = "exists"  # 412 on a create-only write
+    NOT_IMPLEMENTED = "not-implemented"  # the server lacks a feature (501)
+    NO_BUCKET = "no-bucket"
+    BAD_CREDENTIALS = "bad-credentials"
+    NO_CREDENTIALS = "no-credentials"
+    TLS = "tls"  # a certificate problem: retrying cannot fix it
+    OTHER = "other"
+
+    @property
+    def retryable(self) -> bool:
+        return self in (Failure.UNREACHABLE, Failure.TRANSIENT, Failure.CONFLICT)
+
+
+class ShortBody(Exception):
+    """A GET body ended before the response's Content-Length."""
+
+    def __init__(self, got: int, expected: int) -> None:
+        super().__init__(f"{got} of {expected} bytes")
+        self.got = got
+        self.expected = expected
+
+
+def _code_and_status(exc: bex.ClientError) -> tuple[str, int]:
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    return code, status
+
+
+def classify(exc: BaseException) -> Failure:
+    """By exception type and S3 error code (never by message text)."""
+    if isinstance(exc, bex.ClientError):
+        code, status = _code_and_status(exc)
+        for codes, failure in (
+            (_NOT_FOUND, Failure.NOT_FOUND),
+            (_EXISTS, Failure.EXISTS),
+            (_CONFLICT, Failure.CONFLICT),
+            (_NOT_IMPLEMENTED, Failure.NOT_IMPLEMENTED),
+            ({"NoSuchBucket"}, Failure.NO_BUCKET),
+            (_BAD_CREDENTIALS, Failure.BAD_CREDENTIALS),
+            (_TRANSIENT_CODES, Failure.TRANSIENT),
+        ):
+            if code in codes:
+                return failure
+        if status == 501:
+            return Failure.NOT_IMPLEMENTED
+        return Failure.TRANSIENT if status >= 500 else Failure.OTHER
+    if isinstance(exc, bex.NoCredentialsError | bex.PartialCredentialsError):
+        return Failure.NO_CREDENTIALS
+    if isinstance(exc, bex.SSLError):
+        return Failure.TLS
+    if isinstance(exc, bex.ConnectionError | bex.ConnectionClosedError | ConnectionRefusedError):
+        return Failure.UNREACHABLE  # EndpointConnectionError, ConnectTimeoutError, proxy
+    if isinstance(
+        exc,
+        bex.HTTPClientError  # ReadTimeoutError, ResponseStreamingError, ...
+        | bex.IncompleteReadError
+        | ShortBody
+        | urllib3.exceptions.ProtocolError
+        | urllib3.exceptions.ReadTimeoutError
+        | http.client.IncompleteRead
+        | ConnectionError
+        | TimeoutError,
+    ):
+        return Failure.TRANSIENT
+    return Failure.OTHER
+
+
+def describe(exc: BaseException) -> str:
+    """A few words for a message: status and code, or the errno's name, never the
+    exception's text (which may quote a request)."""
+    if isinstance(exc, bex.ClientError):
+        code, status = _code_and_status(exc)
+        return f"{status} {code}".strip() if status >= 300 else code or "error"
+    if isinstance(exc, ShortBody):
+        return f"body cut short, {exc.got} of {exc.expected} bytes"
+    if isinstance(exc, bex.IncompleteReadError):
+        got, want = exc.kwargs.get("actual_bytes"), exc.kwargs.get("expected_bytes")
+        return f"body cut short, {got} of {want} bytes"
+    seen: builtins.list[BaseException] = [exc]
+    for e in seen:  # the errno of a wrapped socket error: "connection reset by peer"
+        if isinstance(e, http.client.IncompleteRead):  # urllib3's too
+            return "body cut short"
+        if isinstance(e, socket.gaierror):
+            return "cannot resolve the host name"
+        if isinstance(e, OSError) and e.errno and e.errno > 0:
+            return os.strerror(e.errno).lower()
+        nested = [*getattr(e, "kwargs", {}).values(), *e.args, e.__cause__, e.__context__]
+        seen.extend(n for n in nested if isinstance(n, BaseException) and n not in seen)
+    for cls, words in (
+        (bex.ConnectTimeoutError, "connect timeout"),
+        (bex.ReadTimeoutError, "read timeout"),
+        (bex.EndpointConnectionError, "cannot connect"),
+        (bex.ConnectionClosedError, "connection closed"),
+        (bex.ResponseStreamingError, "response stream broken"),
+        (urllib3.exceptions.ProtocolError, "connection broken"),
+    ):
+        if isinstance(exc, cls):
+            return words
+    return type(exc).__name__
+
+
+def backoff_s(attempt: int, *, base_s: float, cap_s: float, rng: random.Random) -> float:
+    """Full jitter: uniform in [0, min(cap, base * 2^(attempt-1))] after attempt `attempt`."""
+    return rng.uniform(0.0, min(cap_s, base_s * 2.0 ** (attempt - 1)))
+
+
+def _redact(url: str) -> str:
+    """The endpoint URL without any user:password@ in it."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def _flag(name: str, value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise CheckpointError(f"{name}={value!r} is not a boolean: use 1 or 0")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,18 +231,28 @@ class S3Settings:
     region: str | None = None
     """None uses AWS_REGION / AWS_DEFAULT_REGION, then us-east-1."""
     max_attempts: int = 6
-    """Attempts per request, first included (botocore standard retry mode)."""
+    """Attempts per operation, first included (CTJ_S3_MAX_ATTEMPTS)."""
     max_connections: int = 16
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 60.0
+    backoff_base_s: float = 0.5
+    """Retry n waits a random time up to min(cap, base * 2^(n-1))."""
+    backoff_cap_s: float = 20.0
+    allow_unconditional_writes: bool = False
+    """Accept a server that ignores If-None-Match: a create-only put checks the key first,
+    which does not exclude two racing committers (CTJ_S3_ALLOW_UNCONDITIONAL_WRITES)."""
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise CheckpointError("s3 max_attempts must be >= 1")
         if self.endpoint_url is not None and "://" not in self.endpoint_url:
             raise CheckpointError(
-                f"S3 endpoint {self.endpoint_url!r} has no scheme: use http://host:port"
+                f"S3 endpoint {_redact(self.endpoint_url)!r} has no scheme: use http://host:port"
             )
+        if min(self.connect_timeout_s, self.read_timeout_s) <= 0:
+            raise CheckpointError("s3 connect and read timeouts must be > 0 seconds")
+        if not 0 <= self.backoff_base_s <= self.backoff_cap_s:
+            raise CheckpointError("s3 backoff must satisfy 0 <= backoff_base_s <= backoff_cap_s")
 
     @classmethod
     def from_env(cls, **overrides: object) -> S3Settings:
@@ -76,6 +263,10 @@ class S3Settings:
             )
         if os.environ.get("CTJ_S3_MAX_ATTEMPTS"):
             env["max_attempts"] = int(os.environ["CTJ_S3_MAX_ATTEMPTS"])
+        if os.environ.get(ALLOW_UNCONDITIONAL_ENV) is not None:
+            env["allow_unconditional_writes"] = _flag(
+                ALLOW_UNCONDITIONAL_ENV, os.environ[ALLOW_UNCONDITIONAL_ENV]
+            )
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**env)  # type: ignore[arg-type]
 
@@ -116,6 +307,10 @@ class _ViewReader(io.RawIOBase):
         return self._pos
 
 
+class _NotImplemented(CheckpointError):
+    """The server answered 501 NotImplemented (the probe reads it as "no conditional writes")."""
+
+
 class S3Store:
     def __init__(
         self,
@@ -128,12 +323,11 @@ class S3Store:
         the operator reads a job's Secret; everything else uses the standard chain."""
         self.bucket = location.bucket
         self.prefix = f"{location.prefix}/" if location.prefix else ""
-        self.where = f"{location} at {settings.endpoint_url or 'AWS'}"
         self.settings = settings
         config = botocore.config.Config(
             # body integrity by put()'s CRC32 header, not by hashing the body into the signature
             s3={"addressing_style": "path", "payload_signing_enabled": False},
-            retries={"max_attempts": settings.max_attempts, "mode": "standard"},
+            retries={"total_max_attempts": 1, "mode": "standard"},  # _retrying retries
             max_pool_connections=settings.max_connections,
             connect_timeout=settings.connect_timeout_s,
             read_timeout=settings.read_timeout_s,
@@ -154,80 +348,207 @@ class S3Store:
         self._s3 = session.client(
             "s3", endpoint_url=settings.endpoint_url, region_name=region, config=config
         )
+        self.endpoint = _redact(settings.endpoint_url or self._s3.meta.endpoint_url)
+        self.where = f"{location} at {self.endpoint}"
+        self._rng = random.Random()
+        self._probe_lock = threading.Lock()
+        self._conditional: bool | None = None  # None: not probed yet
+        self._warned_unconditional = False
 
-    # -- errors -------------------------------------------------------------
+    # -- retries and errors ---------------------------------------------------
 
-    def _translate(self, exc: Exception, key: str) -> Exception:
-        """Map boto errors to our vocabulary: S3 error codes, never message text."""
-        if isinstance(exc, botocore.exceptions.ClientError):
-            code = str(exc.response.get("Error", {}).get("Code", ""))
-            if code in _NOT_FOUND:
-                return ObjectNotFound(key)
-            if code in _EXISTS:
-                return ObjectExists(key)
-            if code == "NoSuchBucket":
-                return CheckpointError(
-                    f"bucket {self.bucket!r} does not exist at "
-                    f"{self.settings.endpoint_url or 'AWS'}: create it or fix the URI"
+    def _retrying(self, op: str, key: str, call: Callable[[], T]) -> T:
+        """``call()``, again on a retryable failure, then that failure in our vocabulary."""
+        attempt = 1
+        while True:
+            try:
+                return call()
+            except Exception as exc:  # noqa: BLE001 - classified, translated or re-raised
+                failure = classify(exc)
+                if not failure.retryable or attempt >= self.settings.max_attempts:
+                    error = self._error(exc, failure, op, key, attempt)
+                    if error is exc:
+                        raise
+                    raise error from None
+                delay = backoff_s(
+                    attempt,
+                    base_s=self.settings.backoff_base_s,
+                    cap_s=self.settings.backoff_cap_s,
+                    rng=self._rng,
                 )
-            if code in _BAD_CREDENTIALS:
-                return CheckpointError(
-                    f"the S3 server refused our credentials for {self.where} ({code}): "
-                    "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the Secret they come from)"
-                )
-            return CheckpointError(f"S3 error {code} on {key!r} in {self.where}")
-        if isinstance(exc, botocore.exceptions.NoCredentialsError):
+                log.debug(
+                    "S3 %s %r: %s (attempt %d of %d); retrying in %.2fs",
+                    op, key, describe(exc), attempt, self.settings.max_attempts, delay,
+                )  # fmt: skip
+                time.sleep(delay)
+                attempt += 1
+
+    def _error(
+        self, exc: Exception, failure: Failure, op: str, key: str, attempts: int
+    ) -> Exception:
+        """The exception to raise for a failure that is final (``exc`` itself for a bug)."""
+        last = describe(exc)
+        tries = f"after {attempts} attempt{'s' if attempts > 1 else ''}"
+        if failure is Failure.NOT_FOUND:
+            return ObjectNotFound(key)
+        if failure is Failure.EXISTS:
+            return ObjectExists(key)
+        if failure is Failure.UNREACHABLE:
+            return StoreUnavailable(
+                f"the S3 endpoint {self.endpoint} is unreachable {tries} (last: {last}): check "
+                "that it is up and that AWS_ENDPOINT_URL (or --endpoint-url) names it"
+            )
+        if failure is Failure.TRANSIENT:
+            return StoreUnavailable(
+                f"the S3 endpoint {self.endpoint} kept failing {tries} to {op} {key!r} "
+                f"(last: {last}): it is overloaded or unwell; retry later"
+            )
+        if failure is Failure.CONFLICT:
+            return StoreUnavailable(
+                f"the S3 endpoint {self.endpoint} refused a conditional {op} of {key!r} as "
+                f"conflicting {tries} (last: {last}): another writer keeps racing on it"
+            )
+        if failure is Failure.NOT_IMPLEMENTED:
+            return _NotImplemented(
+                f"the S3 server at {self.endpoint} does not implement {op} as we send it "
+                f"({last}): use a server with full S3 support"
+            )
+        if failure is Failure.NO_BUCKET:
+            return CheckpointError(
+                f"bucket {self.bucket!r} does not exist at {self.endpoint}: "
+                "create it or fix the URI"
+            )
+        if failure is Failure.BAD_CREDENTIALS:
+            return CheckpointError(
+                f"the S3 server refused our credentials for {self.where} ({last}): "
+                "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the Secret they come from)"
+            )
+        if failure is Failure.NO_CREDENTIALS:
             return CheckpointError(
                 "no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
                 "(or an AWS profile / role)"
             )
-        if isinstance(
-            exc,
-            botocore.exceptions.EndpointConnectionError | botocore.exceptions.ConnectTimeoutError,
-        ):
+        if failure is Failure.TLS:
             return CheckpointError(
-                f"cannot reach the S3 endpoint {self.settings.endpoint_url or 'AWS'}: "
-                "check the endpoint URL (AWS_ENDPOINT_URL or --endpoint-url) and that it is up"
+                f"TLS with the S3 endpoint {self.endpoint} failed: check its certificate "
+                "(or AWS_CA_BUNDLE)"
             )
+        if isinstance(exc, bex.ClientError):
+            return CheckpointError(f"S3 error {last} on {op} {key!r} in {self.where}")
         return exc
+
+    # -- conditional writes -------------------------------------------------------
+
+    def check_conditional_writes(self) -> None:
+        """Probe once that the server honours If-None-Match (a create-only PUT of a key
+        that exists must be refused); raise a CheckpointError where it does not, unless
+        ``allow_unconditional_writes``. Thread-safe; the verdict is cached."""
+        with self._probe_lock:
+            if self._conditional is None:
+                self._conditional = self._probe()
+        if not self._conditional and not self.settings.allow_unconditional_writes:
+            raise CheckpointError(
+                f"the S3 server at {self.endpoint} ignores conditional writes (If-None-Match), "
+                "so a commit could overwrite another: use a server that honours them, or set "
+                f"{ALLOW_UNCONDITIONAL_ENV}=1 to accept check-then-write, which does not "
+                "exclude two racing committers"
+            )
+
+    def _probe(self) -> bool:
+        key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+        body = b"ctj: does this server honour If-None-Match?\n"
+        try:
+            self._put(key, body, if_absent=True)
+        except _NotImplemented:
+            return False
+        try:
+            self._put(key, body, if_absent=True)
+            return False
+        except ObjectExists:
+            return True
+        finally:
+            try:
+                self._delete_batch([key])
+            except CheckpointError as exc:
+                log.warning("cannot delete the probe %s%s: %s", self.prefix, key, exc)
+
+    def _exists(self, key: str) -> bool:
+        try:
+            self._retrying(
+                "HEAD", key, functools.partial(
+                    self._s3.head_object, Bucket=self.bucket, Key=self.prefix + key
+                ),
+            )  # fmt: skip
+        except ObjectNotFound:
+            return False
+        return True
 
     # -- the four operations --------------------------------------------------
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
+        if if_absent:
+            self.check_conditional_writes()
+            if not self._conditional:  # opted into the weaker mode
+                with self._probe_lock:
+                    warn, self._warned_unconditional = not self._warned_unconditional, True
+                if warn:
+                    log.warning(
+                        "the S3 server at %s ignores If-None-Match and %s is set: create-only "
+                        "writes check the key first; two racing committers are not excluded",
+                        self.endpoint, ALLOW_UNCONDITIONAL_ENV,
+                    )  # fmt: skip
+                if self._exists(key):
+                    raise ObjectExists(key)
+        self._put(key, data, if_absent=if_absent)
+
+    def _put(self, key: str, data: bytes | memoryview, *, if_absent: bool) -> None:
         extra = {"IfNoneMatch": "*"} if if_absent else {}
-        try:
+        crc = crc32_header(data)
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+
+        def once() -> None:
             body = data if isinstance(data, bytes) else _ViewReader(memoryview(data))
             self._s3.put_object(
                 Bucket=self.bucket,
                 Key=self.prefix + key,
                 Body=body,
-                ContentLength=len(data),
-                ChecksumCRC32=crc32_header(data),
+                ContentLength=size,
+                ChecksumCRC32=crc,
                 **extra,
             )
-        except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
-            raise self._translate(exc, key) from None
+
+        self._retrying("PUT", key, once)
 
     def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
         extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"} if byte_range else {}
-        try:
+
+        def once() -> bytes:
             resp = self._s3.get_object(Bucket=self.bucket, Key=self.prefix + key, **extra)
-            data: bytes = resp["Body"].read()
+            body = resp["Body"]
+            try:
+                data: bytes = body.read()
+            finally:
+                body.close()
+            expected = resp.get("ContentLength")
+            if expected is not None and len(data) != expected:
+                raise ShortBody(len(data), expected)
             return data
-        except Exception as exc:  # noqa: BLE001
-            raise self._translate(exc, key) from None
+
+        return self._retrying("GET", key, once)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        paginator = self._s3.get_paginator("list_objects_v2")
         cut = len(self.prefix)
-        try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
-                for obj in page.get("Contents", []):
-                    yield ObjectInfo(
-                        obj["Key"][cut:], int(obj["Size"]), obj["LastModified"].timestamp()
-                    )
-        except Exception as exc:  # noqa: BLE001
-            raise self._translate(exc, prefix) from None
+        page_args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + prefix}
+        while True:  # page by page, each page retried on its own
+            page = self._retrying(
+                "LIST", prefix, functools.partial(self._s3.list_objects_v2, **page_args)
+            )
+            for obj in page.get("Contents", []):
+                modified = obj["LastModified"].timestamp()
+                yield ObjectInfo(obj["Key"][cut:], int(obj["Size"]), modified)
+            if not page.get("IsTruncated"):
+                return
+            page_args["ContinuationToken"] = page["NextContinuationToken"]
 
     def delete(self, keys: Iterable[str]) -> None:
         batch: builtins.list[str] = []
@@ -240,13 +561,18 @@ class S3Store:
             self._delete_batch(batch)
 
     def _delete_batch(self, keys: Sequence[str]) -> None:
-        try:
-            self._s3.delete_objects(
+        def once() -> None:
+            resp = self._s3.delete_objects(
                 Bucket=self.bucket,
                 Delete={"Objects": [{"Key": self.prefix + k} for k in keys], "Quiet": True},
             )
-        except Exception as exc:  # noqa: BLE001
-            raise self._translate(exc, keys[0]) from None
+            if resp.get("Errors"):  # per-key failures in a 200 reply: classified by code
+                first = resp["Errors"][0]
+                raise bex.ClientError(
+                    {"Error": {"Code": first.get("Code", ""), "Message": ""}}, "DeleteObjects"
+                )
+
+        self._retrying("DELETE", keys[0], once)  # deleting again is harmless
 
 
 def open_store(uri: str, s3: S3Settings | None = None) -> LocalStore | S3Store:
