@@ -185,6 +185,8 @@ def stage_items(
     Tensors go end to end into ``__<r>_0.distcp``, which stays mapped (and its pages
     touched) while their layout holds; non-tensor values, whose size changes from save
     to save (a step counter), go to ``__<r>_1.distcp``, so they never move a tensor.
+    Tensors on a GPU are copied into the pinned mapping without blocking, and waited
+    for before this returns (device.py); CPU tensors never touch CUDA.
     """
     sources = []
     for item in tensor_items:
