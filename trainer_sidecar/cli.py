@@ -21,9 +21,8 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
-from .errors import CheckpointError, NoCheckpointError
+from .errors import CheckpointError, NoCheckpointError, UnsafeCheckpointError
 from .format.manifest import Manifest
-from .load.verify import verify
 from .store import repository as repo
 from .store.base import ObjectStore
 from .store.s3 import S3Settings, open_store
@@ -117,18 +116,43 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trust_pickled_values(args: argparse.Namespace) -> bool:
+    """--trust-pickled-values, or CTJ_TRUST_PICKLED_VALUES=1 (as the trainer reads it)."""
+    env = os.environ.get("CTJ_TRUST_PICKLED_VALUES", "").strip().lower()
+    return bool(args.trust_pickled_values) or env in ("1", "true", "yes", "on")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    # torch (for the allow-list and weights_only checks): only for the commands that need it
+    from .load.checks import read_manifest
+    from .load.verify import verify
+
     store = _store(args)
-    steps = repo.committed_steps(store) if args.all else [_manifest(store, args.step).step]
+    if args.all or args.step is None:
+        steps = repo.committed_steps(store)
+        if not steps:
+            raise NoCheckpointError("no committed checkpoint at this location")
+        steps = steps if args.all else steps[-1:]
+    else:
+        steps = [args.step]
+    trust = _trust_pickled_values(args)
     bad = 0
     for step in steps:
-        m = repo.read_manifest(store, step)
+        try:
+            m = read_manifest(store, step)
+        except UnsafeCheckpointError as exc:
+            bad += 1
+            print(f"step {step}: UNSAFE: {exc.chunk_id} {exc.reason}")
+            continue
         with _progress(m.logical_bytes, f"verify {step}") as update:
-            problems = verify(store, m, progress=update)
+            problems = verify(store, m, progress=update, trust_pickled_values=trust)
         if problems:
             bad += 1
             for p in problems:
-                print(f"step {step}: CORRUPT: {p.reason}: chunk {p.chunk_id}")
+                if isinstance(p, UnsafeCheckpointError):
+                    print(f"step {step}: UNSAFE: {p.chunk_id} {p.reason}")
+                else:
+                    print(f"step {step}: CORRUPT: {p.reason}: chunk {p.chunk_id}")
         else:
             print(f"step {step}: ok ({_size(m.logical_bytes)} verified)")
     return 1 if bad else 0
@@ -155,12 +179,13 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_dcp, export_torch_save  # torch: only for this command
+    from .load.export import export_dcp, export_torch_save  # torch: only for this command
 
     store = _store(args)
     m = _manifest(store, args.step)
+    trust = _trust_pickled_values(args)
     with _progress(m.logical_bytes, f"export {m.step}") as update:
-        out = export_dcp(store, m, args.out_dir, progress=update)
+        out = export_dcp(store, m, args.out_dir, progress=update, trust_pickled_values=trust)
     print(
         f"exported step {m.step} to {out} (plain DCP: torch.distributed.checkpoint.load reads it)"
     )
@@ -225,9 +250,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("show", cmd_show, "show one checkpoint's manifest (default: the latest)")
     p.add_argument("--step", type=int)
     p.add_argument("--json", action="store_true")
-    p = add("verify", cmd_verify, "read every chunk and check its hash")
+    p = add(
+        "verify",
+        cmd_verify,
+        "read every chunk and check its hash, and that it would load safely (default: the latest)",
+    )
     p.add_argument("--step", type=int)
     p.add_argument("--all", action="store_true", help="verify every committed checkpoint")
+    p.add_argument(
+        "--trust-pickled-values",
+        action="store_true",
+        help="non-tensor values may be any pickle (default: weights_only rules; "
+        "CTJ_TRUST_PICKLED_VALUES=1). Only for checkpoints nobody else can write",
+    )
     p = add("gc", cmd_gc, "delete chunks no checkpoint references")
     p.add_argument(
         "--grace",
@@ -242,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir")
     p.add_argument("--step", type=int)
     p.add_argument("--torch-save", metavar="FILE", help="also write one torch.save file")
+    p.add_argument(
+        "--trust-pickled-values",
+        action="store_true",
+        help="non-tensor values may be any pickle (default: weights_only rules; "
+        "CTJ_TRUST_PICKLED_VALUES=1). Only for checkpoints nobody else can write",
+    )
     return parser
 
 

@@ -10,6 +10,11 @@ verified, and copy them into place.
 
 The per-item storage data is a plain ``(relative_path, offset, length)`` tuple,
 so a checkpoint's metadata never depends on our class names.
+
+``.metadata`` is untrusted (whoever can write the bucket wrote it): it is
+unpickled by safe_pickle's allow-list and checked against the manifest before
+anything in it is used. ``restore`` reads it once, on rank 0, and hands every
+rank the checked object; read standalone, the reader does the same itself.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import dataclasses
 import io
 import math
 import os
-import pickle
 import warnings
 from typing import Any
 
@@ -33,8 +37,11 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..errors import UnsafeCheckpointError
 from ..format.manifest import METADATA_FILE
+from .checks import check_metadata, storage_location
 from .chunk_reader import ChunkReader
+from .safe_pickle import load_metadata
 
 READ_BATCH_BYTES = 256 << 20  # bound on bytes fetched but not yet copied, per rank
 
@@ -68,20 +75,37 @@ def layout_of(layouts: dict[MetadataIndex, TensorLayout], index: MetadataIndex) 
     return found
 
 
-class ChunkedStorageReader(StorageReader):
-    """Reads a committed checkpoint through a ChunkReader (ranged, verified GETs)."""
+def read_checked_metadata(reader: ChunkReader) -> Metadata:
+    """The checkpoint's DCP metadata: fetched verified, unpickled by the allow-list, and
+    checked against its manifest. Raises CorruptCheckpointError (UnsafeCheckpointError
+    among them) for a checkpoint that has none, or one that is unusable."""
+    manifest = reader.manifest
+    if METADATA_FILE not in manifest.files:
+        raise UnsafeCheckpointError(manifest.step, METADATA_FILE, "is missing from the manifest")
+    metadata = load_metadata(reader.read_file(METADATA_FILE), step=manifest.step)
+    sizes = {name: f.size for name, f in manifest.files.items() if name != METADATA_FILE}
+    check_metadata(metadata, step=manifest.step, file_sizes=sizes)
+    return metadata
 
-    def __init__(self, reader: ChunkReader) -> None:
+
+class ChunkedStorageReader(StorageReader):
+    """Reads a committed checkpoint through a ChunkReader (ranged, verified GETs).
+
+    ``metadata``: the checkpoint's, already checked (read_checked_metadata); None
+    reads and checks it here.
+    """
+
+    def __init__(self, reader: ChunkReader, *, metadata: Metadata | None = None) -> None:
         super().__init__()
         self.reader = reader
-        self.metadata: Metadata | None = None
+        self.metadata = metadata
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         pass
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.metadata is None:
-            self.metadata = pickle.loads(self.reader.read_file(METADATA_FILE))
+            self.metadata = read_checked_metadata(self.reader)
         return self.metadata
 
     def set_up_storage_reader(
@@ -98,8 +122,9 @@ class ChunkedStorageReader(StorageReader):
 
     def _location(self, item: ReadItem) -> tuple[str, int, int]:
         assert self.metadata is not None
-        path, offset, length = self.metadata.storage_data[item.storage_index]
-        return str(path), int(offset), int(length)
+        where = storage_location(self.metadata.storage_data[item.storage_index])
+        assert where is not None  # check_metadata saw to it
+        return where
 
     def _layout(self, item: ReadItem) -> TensorLayout:
         return layout_of(self.layouts, item.storage_index)

@@ -4,24 +4,38 @@ The result is what ``torch.distributed.checkpoint.FileSystemWriter`` would have
 written: each tensor serialized with ``torch.save`` at the offsets recorded in
 ``.metadata``, so stock ``torch.distributed.checkpoint.load`` (FileSystemReader)
 reads it with no ctj installed. Every byte is hash-verified on the way.
+
+Stock DCP trusts what it reads (``torch.load(weights_only=False)`` for values,
+``pickle`` for ``.metadata``), so nothing untrusted is passed on: ``.metadata``
+is unpickled by the allow-list and pickled afresh, every non-tensor value must
+load by weights_only rules before anything is written (unless
+``trust_pickled_values``), and every file name must be a plain name inside the
+output directory. ``.metadata`` is written last: a failed export leaves no
+directory DCP would load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from ..format.manifest import METADATA_FILE, Manifest
 from ..store.base import ObjectStore
+from .checks import check_file_name, check_manifest, storage_location
 from .chunk_reader import ChunkReader
-from .dcp_reader import READ_BATCH_BYTES, layout_of, tensor_layouts
+from .dcp_reader import READ_BATCH_BYTES, layout_of, read_checked_metadata, tensor_layouts
+from .planner import decode_value
+
+_Item = tuple[MetadataIndex, int, int]  # (index, offset, length) in one file
 
 
 def export_dcp(
@@ -30,28 +44,73 @@ def export_dcp(
     out_dir: str | os.PathLike[str],
     *,
     progress: Callable[[int], None] | None = None,
+    trust_pickled_values: bool = False,
 ) -> Path:
+    step = manifest.step
+    check_manifest(manifest)
+    reader = ChunkReader(store, manifest)
+    metadata = read_checked_metadata(reader)
+    by_file: dict[str, list[_Item]] = {}
+    for index, value in metadata.storage_data.items():
+        where = storage_location(value)
+        assert where is not None  # read_checked_metadata saw to it
+        name, offset, length = where
+        by_file.setdefault(check_file_name(name, step=step), []).append((index, offset, length))
+    if not trust_pickled_values:
+        _check_values(reader, metadata, by_file, step)
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    reader = ChunkReader(store, manifest)
-    metadata: Metadata = pickle.loads(reader.read_file(METADATA_FILE))
-    layouts = tensor_layouts(metadata)
-    by_file: dict[str, list[tuple[object, int, int]]] = {}
-    for index, (path, offset, length) in metadata.storage_data.items():
-        by_file.setdefault(str(path), []).append((index, int(offset), int(length)))
+    (out / METADATA_FILE).unlink(missing_ok=True)  # a previous export's: never half-replaced
+    written: list[Path] = []
+    try:
+        storage = _write_data_files(reader, metadata, by_file, out, written, progress)
+        exported = dataclasses.replace(metadata, storage_data=storage, storage_meta=None)
+        with _create(out, METADATA_FILE, written) as f:
+            f.write(pickle.dumps(exported))
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
+    return out
 
-    storage: dict[object, _StorageInfo] = {}
+
+def _check_values(
+    reader: ChunkReader, metadata: Metadata, by_file: dict[str, list[_Item]], step: int
+) -> None:
+    """Every non-tensor value loads by weights_only rules (stock DCP would unpickle it)."""
+    values = [
+        (name, index, offset, length)
+        for name, items in by_file.items()
+        for index, offset, length in items
+        if isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata)
+    ]
+    datas = reader.read_ranges([(name, off, off + n) for name, _, off, n in values])
+    for (_, index, _, _), data in zip(values, datas, strict=True):
+        decode_value(data, step=step, fqn=index.fqn, trusted=False)
+
+
+def _write_data_files(
+    reader: ChunkReader,
+    metadata: Metadata,
+    by_file: dict[str, list[_Item]],
+    out: Path,
+    written: list[Path],
+    progress: Callable[[int], None] | None,
+) -> dict[MetadataIndex, _StorageInfo]:
+    layouts = tensor_layouts(metadata)
+    storage: dict[MetadataIndex, _StorageInfo] = {}
     for name, items in sorted(by_file.items()):
         items.sort(key=lambda i: i[1])
-        with open(out / name, "wb") as f:
+        with _create(out, name, written) as f:
             for batch in _batches(items):
                 datas = reader.read_ranges([(name, off, off + n) for _, off, n in batch])
                 for (index, _, _), raw in zip(batch, datas, strict=True):
-                    md = metadata.state_dict_metadata[index.fqn]  # type: ignore[attr-defined]
+                    md = metadata.state_dict_metadata[index.fqn]
                     if isinstance(md, BytesStorageMetadata):
                         body = raw
                     else:
-                        layout = layout_of(layouts, index)  # type: ignore[arg-type]
+                        layout = layout_of(layouts, index)
                         tensor = torch.frombuffer(bytearray(raw), dtype=layout.dtype)
                         buf = io.BytesIO()
                         torch.save(tensor.view(layout.sizes), buf)
@@ -60,13 +119,21 @@ def export_dcp(
                     f.write(body)
                     if progress:
                         progress(len(raw))
-    metadata.storage_data = storage
-    (out / METADATA_FILE).write_bytes(pickle.dumps(metadata))
-    return out
+    return storage
 
 
-def _batches(items: list[tuple[object, int, int]]) -> list[list[tuple[object, int, int]]]:
-    batches: list[list[tuple[object, int, int]]] = [[]]
+def _create(out: Path, name: str, written: list[Path]) -> BinaryIO:
+    """A new file of a plain name inside ``out``, never through a link pointing elsewhere."""
+    path = out / name
+    if path.parent != out or path.name != name:
+        raise AssertionError(f"{name!r} is not a plain file name")  # check_file_name's job
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    written.append(path)
+    return os.fdopen(fd, "wb")
+
+
+def _batches(items: list[_Item]) -> list[list[_Item]]:
+    batches: list[list[_Item]] = [[]]
     size = 0
     for item in items:
         if size >= READ_BATCH_BYTES:
@@ -78,7 +145,11 @@ def _batches(items: list[tuple[object, int, int]]) -> list[list[tuple[object, in
 
 
 def export_torch_save(dcp_dir: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> None:
-    """One ``torch.save`` file of the full (unsharded) state, for inference."""
+    """One ``torch.save`` file of the full (unsharded) state, for inference.
+
+    Stock DCP reads the directory (values with full pickle): run it only on a directory
+    ``export_dcp`` wrote, whose values passed weights_only (or that you trust).
+    """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(dcp_dir, out_file)

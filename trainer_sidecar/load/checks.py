@@ -1,0 +1,192 @@
+"""Checks on what a bucket writer wrote, before any of it is used.
+
+A manifest and a ``.metadata`` are both untrusted input: anyone who can write
+the bucket can write them. Hash checks prove the bytes are the ones the
+manifest names, not that the manifest is honest. These checks make a
+malformed or hostile checkpoint an ``UnsafeCheckpointError`` (skipped like a
+corrupt one) instead of a crash, a hang, a read outside the checkpoint, or a
+file written outside an export directory.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from ..errors import NoCheckpointError, ObjectNotFound, UnsafeCheckpointError
+from ..format.manifest import Codec, Manifest, manifest_key
+from ..store.base import ObjectStore
+
+_CHUNK_ID = re.compile(r"[0-9a-f]{64}")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def check_file_name(name: object, *, step: int) -> str:
+    """``name`` if it is a plain file name (one path component: no separator, no ``..``,
+    not absolute, no NUL); else UnsafeCheckpointError. Export writes only such names."""
+    if (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in ("/", "\\", "\0"))
+        and name.isprintable()
+    ):
+        return name
+    raise UnsafeCheckpointError(
+        step, f"file name {name!r}", "is not a plain name inside the checkpoint directory"
+    )
+
+
+def read_manifest(store: ObjectStore, step: int) -> Manifest:
+    """A committed manifest, parsed and checked (check_manifest). Raises NoCheckpointError
+    when it is gone, UnsafeCheckpointError when it is unreadable or malformed, and the
+    store's own errors (unreachable, credentials) as they are."""
+    try:
+        data = store.get(manifest_key(step))
+    except ObjectNotFound:
+        raise NoCheckpointError(f"no committed checkpoint at step {step}") from None
+    try:
+        manifest = Manifest.from_bytes(data)
+    except Exception as exc:  # noqa: BLE001 - whatever the bytes hold, it is no manifest
+        raise UnsafeCheckpointError(step, "its manifest", f"is unreadable ({exc})") from None
+    if manifest.step != step:
+        raise UnsafeCheckpointError(step, "its manifest", f"says step {manifest.step}")
+    check_manifest(manifest)
+    return manifest
+
+
+def check_manifest(manifest: Manifest) -> None:
+    """Raise UnsafeCheckpointError unless every file is a plain name whose chunks add up
+    to its size, each chunk a BLAKE3 id with one digest per block."""
+    step, bs = manifest.step, manifest.block_size
+    if bs <= 0 or bs & (bs - 1):
+        raise UnsafeCheckpointError(step, "the manifest", f"has block size {bs}")
+    for name, entry in manifest.files.items():
+        check_file_name(name, step=step)
+        if sum(c.size for c in entry.chunks) != entry.size:
+            raise UnsafeCheckpointError(step, f"file {name}", "has chunks that do not add up")
+        for c in entry.chunks:
+            if (
+                not _CHUNK_ID.fullmatch(c.id)
+                or c.codec not in tuple(Codec)
+                or c.size < 0
+                or len(c.blocks) != max(1, -(-c.size // bs))
+                or not all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in c.blocks)
+            ):
+                raise UnsafeCheckpointError(step, f"file {name}", f"has a malformed chunk {c.id!r}")
+
+
+def _ints(value: object, n: int | None = None) -> bool:
+    return (
+        isinstance(value, tuple | list)
+        and (n is None or len(value) == n)
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    )
+
+
+def storage_location(value: object) -> tuple[str, int, int] | None:
+    """``(file name, offset, length)`` of a ``storage_data`` value (ctj's plain tuple, or a
+    file-system ``_StorageInfo``); None when it is neither."""
+    if isinstance(value, _StorageInfo):
+        value = (value.relative_path, value.offset, value.length)
+    if (
+        isinstance(value, tuple)
+        and len(value) == 3
+        and isinstance(value[0], str)
+        and _ints(value[1:])
+    ):
+        return value[0], int(value[1]), int(value[2])
+    return None
+
+
+def check_metadata(metadata: Metadata, *, step: int, file_sizes: Mapping[str, int]) -> None:
+    """Raise UnsafeCheckpointError unless ``metadata`` is well-formed and every item lies
+    inside a file of the checkpoint (``file_sizes``: the manifest's files and sizes).
+
+    After this, reading the checkpoint can only fail for the store, for a chunk that
+    fails its hash, or for a state that does not match: never for a malformed record.
+    """
+
+    def bad(reason: str) -> UnsafeCheckpointError:
+        return UnsafeCheckpointError(step, ".metadata", reason)
+
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict) or not all(isinstance(k, str) for k in entries):
+        raise bad("has no state_dict_metadata mapping names to items")
+    itemsize: dict[str, int] = {}
+    for fqn, md in entries.items():
+        if isinstance(md, BytesStorageMetadata):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise bad(f"describes {fqn!r} as a {type(md).__name__}")
+        dtype = getattr(md.properties, "dtype", None)
+        if not isinstance(dtype, torch.dtype) or not _ints(md.size):
+            raise bad(f"gives {fqn!r} no dtype or a malformed size")
+        if not isinstance(md.chunks, list) or not all(
+            isinstance(c, ChunkStorageMetadata)
+            and _ints(c.offsets, len(md.size))
+            and _ints(c.sizes, len(md.size))
+            and all(o + n <= d for o, n, d in zip(c.offsets, c.sizes, md.size, strict=True))
+            for c in md.chunks
+        ):
+            raise bad(f"gives {fqn!r} malformed chunks")
+        itemsize[fqn] = torch.empty((), dtype=dtype).element_size()
+    planner_data = metadata.planner_data
+    if planner_data is not None and not (
+        isinstance(planner_data, dict)
+        and all(
+            isinstance(k, str)
+            and isinstance(v, tuple | list)
+            and all(isinstance(p, str | int) for p in v)
+            for k, v in planner_data.items()
+        )
+    ):
+        raise bad("has malformed planner_data")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise bad("has no storage_data")
+    for index, value in storage.items():
+        if not (
+            isinstance(index, MetadataIndex)
+            and isinstance(index.fqn, str)
+            and (index.offset is None or _ints(index.offset))
+            and (index.index is None or isinstance(index.index, int))
+        ):
+            raise bad(f"has a storage_data key {index!r} that is not a MetadataIndex")
+        described = entries.get(index.fqn)
+        if described is None:
+            raise bad(f"stores {index.fqn!r}, which it does not describe")
+        where = storage_location(value)
+        if where is None:
+            raise bad(f"places {index.fqn!r} at {value!r}, not (file, offset, length)")
+        name, offset, length = where
+        if name not in file_sizes:
+            raise bad(f"places {index.fqn!r} in {name!r}, a file the checkpoint does not have")
+        if offset + length > file_sizes[name]:
+            raise bad(f"places {index.fqn!r} past the end of {name}")
+        if isinstance(described, TensorStorageMetadata):
+            chunk = _chunk_of(described, index)
+            if chunk is None:
+                raise bad(f"stores a chunk of {index.fqn!r} it does not describe")
+            if length != math.prod(chunk.sizes) * itemsize[index.fqn]:
+                raise bad(f"gives a chunk of {index.fqn!r} a length its shape does not have")
+
+
+def _chunk_of(md: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata | None:
+    """The chunk a storage_data key names: by its index hint, else by its offsets."""
+    offset = None if index.offset is None else tuple(index.offset)
+    i = index.index
+    if i is not None and 0 <= i < len(md.chunks):
+        if offset is None or tuple(md.chunks[i].offsets) == offset:
+            return md.chunks[i]
+    return next((c for c in md.chunks if tuple(c.offsets) == offset), None)
