@@ -20,6 +20,13 @@ Figures are the median over repeats of the slowest rank.
 * floor: ``dst.copy_(src)`` of the rank's shards into already-touched buffers, timed
   just before each save in every row's processes (the floor row is the ours processes').
 
+With ``--device cuda`` the state lives on the GPU (rank r on GPU r mod the GPU count;
+NCCL beside gloo when every rank has a GPU of its own, gloo alone when they share one):
+the floor is a device-to-host copy into pinned, touched host buffers (non-blocking
+copies, then the stream synchronised), and the reused ``DefaultStager`` gets pinned
+memory and non-blocking copies, its best on a GPU. Goodput stays on the CPU
+(``--stall-only`` skips it).
+
 Memory: ``Pss`` from /proc/self/smaps_rollup (counts shared and mapped pages once, so our
 /dev/shm slot mapped by both the trainer and the uploader is counted once), sampled every
 20 ms outside the timed regions (the copies only add pages, so the sample taken right
@@ -46,6 +53,7 @@ Usage:
     pip install --no-deps s3torchconnector==1.5.0 s3torchconnectorclient==1.5.0 tenacity==9.2.1
     python bench/bench_async.py --json /tmp/async.json          # 1 GiB, a few minutes
     python bench/bench_async.py --quick --json /tmp/quick.json  # smoke run, < 1 minute
+    python bench/bench_async.py --device cuda --stall-only      # the stall from a GPU
 
 s3torchconnector is required here (every DCP row writes through it). Without
 ``--endpoint-url`` a moto server is started on loopback for the run.
@@ -221,21 +229,26 @@ class Saver:
         self.stager: Any = None
         if row == "ours":
             from trainer_sidecar import CheckpointConfig, Checkpointer
+            from trainer_sidecar.format.manifest import Mode
 
             self.ckpt = Checkpointer(
                 CheckpointConfig(
-                    uri=args["uri"], mode="incremental", keep_last=0, staging_dir=args["staging"]
+                    uri=args["uri"],
+                    mode=Mode.INCREMENTAL,
+                    keep_last=0,
+                    staging_dir=args["staging"],
                 )
             )
         if row == "dcp_async_stager":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+            gpu = args.get("device", "cpu") == "cuda"  # pinned and non-blocking need a GPU
             self.stager = DefaultStager(
                 StagingOptions(
-                    use_pinned_memory=False,
+                    use_pinned_memory=gpu,
                     use_shared_memory=True,
                     use_async_staging=True,
-                    use_non_blocking_copy=False,
+                    use_non_blocking_copy=gpu,
                 )
             )
 
@@ -312,21 +325,64 @@ def median_of_max(values: list[float]) -> tuple[float, list[float]]:
     return statistics.median(per_repeat), per_repeat
 
 
+def build_model_on_gpu(shape: StateShape) -> Any:
+    """``build_model``'s module, allocated shard by shard on this rank's GPU."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(shape.rows, COLS))
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[Holder() for _ in range(shape.tensors)])
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=torch.device("cuda", torch.cuda.current_device()))
+    return model
+
+
+def floor_buffer(t: Any) -> Any:
+    """The floor's destination: host memory like ``t`` (pinned when ``t`` is on a GPU)."""
+    import torch
+
+    if t.is_cuda:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return torch.empty_like(t)
+
+
+def copy_floor(dst: list[Any], src: list[Any]) -> None:
+    """The copy floor: every shard into its buffer; from a GPU non-blocking, then waited for."""
+    import torch
+
+    on_gpu = any(s.is_cuda for s in src)
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s, non_blocking=on_gpu)
+    if on_gpu:
+        torch.cuda.current_stream().synchronize()
+
+
 def run_stall(args: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
     shape = StateShape(**args["shape"])
     row = args["row"]
-    model = build_model(shape)
+    on_gpu = args.get("device", "cpu") == "cuda"
+    model = build_model_on_gpu(shape) if on_gpu else build_model(shape)
     with torch.no_grad():
         for i, t in enumerate(local_shards(model)):
-            t.normal_(generator=torch.Generator().manual_seed(i * 16 + dist.get_rank()))
+            gen = torch.Generator(device=t.device).manual_seed(i * 16 + dist.get_rank())
+            t.normal_(generator=gen)
     shards = local_shards(model)
     state_bytes = sum(t.numel() * t.element_size() for t in shards)
-    floor_dst = [torch.empty_like(t) for t in shards]
-    for d, s in zip(floor_dst, shards, strict=True):
-        d.copy_(s)  # touch the floor's buffers once
+    floor_dst = [floor_buffer(t) for t in shards]
+    copy_floor(floor_dst, shards)  # touch the floor's buffers once
     saver = Saver(row, model, args)
     sampler = MemorySampler()
     sampler.resume()
@@ -338,8 +394,7 @@ def run_stall(args: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
             sampler.pause()
             t0 = time.perf_counter()
-            for d, s in zip(floor_dst, shards, strict=True):
-                d.copy_(s)
+            copy_floor(floor_dst, shards)
             floor = time.perf_counter() - t0
             dist.barrier()
             if warm:
@@ -357,7 +412,7 @@ def run_stall(args: dict[str, Any]) -> dict[str, Any]:
         sampler.pause()
         staged_bytes = 0
         if saver.ckpt is not None:
-            from trainer_sidecar.save.staging import rank_dir
+            from trainer_sidecar.save.slots import rank_dir
 
             staged_bytes = dir_bytes(str(rank_dir(saver.ckpt.root, dist.get_rank())))
     finally:
@@ -415,6 +470,7 @@ def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
 
     from trainer_sidecar import CheckpointConfig, Checkpointer
     from trainer_sidecar.checkpointer import build_state
+    from trainer_sidecar.format.manifest import Mode
 
     shape = MlpShape(**args["mlp"])
     model, opt = build_mlp(shape)
@@ -438,7 +494,7 @@ def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
     ckpt = Checkpointer(
         CheckpointConfig(
             uri=f"{args['uri']}-goodput-every-{shape.every}",  # each run its own steps
-            mode="incremental",
+            mode=Mode.INCREMENTAL,
             keep_last=2,
             staging_dir=args["staging"],
         )
@@ -528,7 +584,7 @@ def worker_main(phase: str, args_path: str) -> None:
 
     with open(args_path) as f:
         args = json.load(f)
-    dist.init_process_group("gloo")
+    dist.init_process_group(backend(phase, args))
     try:
         result = {"stall": run_stall, "goodput": run_goodput}[phase](args)
         if dist.get_rank() == 0:
@@ -537,6 +593,18 @@ def worker_main(phase: str, args_path: str) -> None:
                 json.dump(result, f)
     finally:
         dist.destroy_process_group()
+
+
+def backend(phase: str, args: dict[str, Any]) -> str:
+    """gloo on the CPU; for the stall from a GPU, each rank on GPU ``LOCAL_RANK mod count``,
+    with NCCL beside gloo when every rank has one of its own (NCCL refuses a shared GPU)."""
+    if phase != "stall" or args.get("device", "cpu") != "cuda":
+        return "gloo"
+    import torch
+
+    count = torch.cuda.device_count()
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % count)
+    return "cpu:gloo,cuda:nccl" if count >= WORLD else "gloo"
 
 
 def run_world(phase: str, args: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
@@ -560,11 +628,10 @@ def _run_world_once(phase: str, args: dict[str, Any], env: dict[str, str]) -> di
 # --------------------------------------------------------------------------- the report
 
 
-def ratios(stall: dict[str, dict[str, Any]], goodput: dict[str, Any]) -> dict[str, float]:
+def ratios(stall: dict[str, dict[str, Any]], goodput: dict[str, Any] | None) -> dict[str, float]:
     ours = stall["ours"]
     best = stall["dcp_async_stager"]
-    none = goodput["no_checkpoint"]["steps_per_second"]
-    return {
+    values = {
         "stall_ratio_vs_floor": ours["returned_seconds"] / ours["floor_seconds"],
         "stall_ratio_vs_dcp_best": ours["returned_seconds"] / best["safe_seconds"],
         "stall_ratio_vs_dcp_best_returned": ours["returned_seconds"] / best["returned_seconds"],
@@ -573,6 +640,11 @@ def ratios(stall: dict[str, dict[str, Any]], goodput: dict[str, Any]) -> dict[st
         "stall_ratio_vs_dcp_sync": ours["returned_seconds"] / stall["dcp_sync"]["returned_seconds"],
         "dcp_best_stall_ratio_vs_floor": best["returned_seconds"] / ours["floor_seconds"],
         "extra_memory_ratio": ours["extra_memory_ratio"],
+    }
+    if goodput is None:  # --stall-only
+        return values
+    none = goodput["no_checkpoint"]["steps_per_second"]
+    return values | {
         "goodput_ratio_vs_no_checkpoint": goodput_ratio(goodput),
         "dcp_sync_goodput_ratio_vs_no_checkpoint": goodput["dcp_sync"]["steps_per_second"] / none,
         "wallclock_reduction_vs_sync": wallclock_reduction(goodput),
@@ -590,6 +662,8 @@ def wallclock_reduction(goodput: dict[str, Any]) -> float:
 def judge(values: dict[str, float]) -> dict[str, dict[str, Any]]:
     out = {}
     for name, (op, bound) in TARGETS.items():
+        if name not in values:  # a phase not run
+            continue
         v = values[name]
         out[name] = {
             "value": v,
@@ -624,7 +698,8 @@ def table(report: dict[str, Any]) -> str:
             f"{s['returned_seconds'] / floor:>9.2f}{s['extra_memory_ratio']:>10.2f}x"
         )
     every = report["config"]["mlp"]["every"]
-    lines += goodput_table(report["goodput"], f"goodput, a save every {every} steps")
+    if report.get("goodput"):
+        lines += goodput_table(report["goodput"], f"goodput, a save every {every} steps")
     if report.get("goodput_long"):
         long_every = report["config"]["long_every"]
         lines += goodput_table(report["goodput_long"], f"goodput, every {long_every} steps")
@@ -695,6 +770,11 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         ) from None
     from trainer_sidecar.config import default_staging_root
 
+    if opts.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available())")
     shape = StateShape.for_total(opts.total_mib * MIB, opts.tensors)
     mlp = MlpShape(opts.hidden, opts.layers, opts.batch, opts.steps, opts.every)
     started = time.monotonic()
@@ -716,10 +796,12 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             "repeats": opts.repeats,
             "staging": staging,
             "server_pid": server_pid,
+            "device": opts.device,
         }
         log(
             f"state: {shape.tensors} x ({shape.rows} x {COLS}) fp32 = "
-            f"{shape.total_bytes / MIB:.0f} MiB over {WORLD} ranks; server: {server}"
+            f"{shape.total_bytes / MIB:.0f} MiB over {WORLD} ranks on {opts.device}; "
+            f"server: {server}"
         )
         stall: dict[str, dict[str, Any]] = {}
         engine: dict[str, Any] = {}
@@ -727,11 +809,12 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             log(f"stall: {row}")
             stall[row] = run_world("stall", dict(args, row=row), env)
             engine = stall[row].pop("engine")
-        log(f"goodput: {mlp}")
-        goodput = run_world("goodput", args, env)
-        goodput.pop("engine")
-        goodput_long = None
-        if opts.long_every:
+        goodput, goodput_long = None, None
+        if not opts.stall_only:
+            log(f"goodput: {mlp}")
+            goodput = run_world("goodput", args, env)
+            goodput.pop("engine")
+        if opts.long_every and not opts.stall_only:
             long = dataclasses.replace(mlp, every=opts.long_every, steps=2 * opts.long_every)
             log(f"goodput at a longer interval: {long}")
             goodput_long = run_world("goodput", dict(args, mlp=dataclasses.asdict(long)), env)
@@ -754,6 +837,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             "mlp": dataclasses.asdict(mlp),
             "long_every": opts.long_every,
             "quick": opts.quick,
+            "stall_device": opts.device,
         },
         "server": server,
         "engine": engine,
@@ -785,6 +869,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=50,
         help="also run goodput at this longer interval, reported beside the targets (0: not)",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the stall state lives (cuda: on the GPU, the floor a D2H copy into pinned "
+        "memory); goodput stays on the CPU",
+    )
+    parser.add_argument("--stall-only", action="store_true", help="skip the goodput phases")
     parser.add_argument("--endpoint-url", help="use this S3 server instead of starting moto")
     parser.add_argument(
         "--server-cores",
