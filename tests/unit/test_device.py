@@ -8,6 +8,8 @@ bench/gpu_check.py runs the GPU side of the same paths on a real GPU.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -245,3 +247,25 @@ def test_non_blocking_copy_of_a_cpu_tensor_is_the_same_bytes() -> None:
     assert torch.equal(dst[1:37], src.view(torch.uint8))
     staging._copy_into(dst[4:40], src, non_blocking=True)  # aligned: the typed copy
     assert torch.equal(dst[4:40], src.view(torch.uint8))
+
+
+# -------------------------------------------------------------------------- gpu_check
+
+GPU_CHECK = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+
+
+def test_gpu_check_parses_its_arguments_without_a_gpu() -> None:
+    done = subprocess.run(
+        [sys.executable, str(GPU_CHECK), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--cpu" in done.stdout and "--mib" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_gpu_check_without_a_gpu_says_so() -> None:
+    done = subprocess.run(
+        [sys.executable, str(GPU_CHECK)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert "no CUDA device" in done.stderr
