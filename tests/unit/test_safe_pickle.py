@@ -13,6 +13,7 @@ import io
 import os
 import pickle
 import subprocess
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from trainer_sidecar.errors import (
@@ -60,18 +61,18 @@ def one_rank_group() -> Iterator[None]:
 
 def build(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = Net()
+    net = Net()
     if kind == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (1,))
-        for layer in (model.fc1, model.fc2):
+        for layer in (net.fc1, net.fc2):
             fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard(net, mesh=mesh)
     elif kind == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    return model
+        return torch.nn.parallel.DistributedDataParallel(net)
+    return net
 
 
 def saved_metadata(kind: str, where: Path) -> bytes:
@@ -107,7 +108,8 @@ def test_real_dcp_metadata_loads_as_pickle_would(
     assert got == pickle.loads(data)
     assert any(isinstance(k, MetadataIndex) for k in got.storage_data)
     if kind == "fsdp":  # DTensor shards were really saved as such
-        assert got.state_dict_metadata["model.fc1.weight"].size == torch.Size([29, 16])
+        weight = got.state_dict_metadata["model.fc1.weight"]
+        assert isinstance(weight, TensorStorageMetadata) and weight.size == torch.Size([29, 16])
 
 
 @pytest.mark.parametrize("kind", ["plain", "fsdp"])
@@ -315,9 +317,10 @@ def saved_value(value: object) -> bytes:
 
 
 def test_values_load_by_weights_only_rules() -> None:
-    plain = {"step": 3, "pos": [1, 2.5, "x", None, (True,)], "rng": torch.arange(3)}
+    rng = torch.arange(3)
+    plain = {"step": 3, "pos": [1, 2.5, "x", None, (True,)], "rng": rng}
     got = decode_value(saved_value(plain), step=3, fqn="extra.state", trusted=False)
-    assert got["pos"] == plain["pos"] and torch.equal(got["rng"], plain["rng"])
+    assert got["pos"] == plain["pos"] and torch.equal(got["rng"], rng)
 
 
 def test_a_hostile_value_is_refused_naming_step_and_item(tmp_path: Path) -> None:
@@ -358,7 +361,8 @@ def test_failures_survive_the_pickle_dcp_sends_them_through(exc: CheckpointError
 
 def wrapped(*failures: BaseException) -> CheckpointException:
     """As DCP raises them: every rank's (exception, traceback) by rank."""
-    return CheckpointException("read", {r: (e, []) for r, e in enumerate(failures)})
+    no_trace = traceback.StackSummary()
+    return CheckpointException("read", {r: (e, no_trace) for r, e in enumerate(failures)})
 
 
 def test_a_store_outage_surfaces_as_itself_not_as_a_mismatch() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import re
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")  # how weights_only's refusal names the global
 
 
 class StateMismatch(CheckpointError):
@@ -60,13 +63,12 @@ def decode_value(data: bytes | io.BytesIO, *, step: int, fqn: str, trusted: bool
     try:
         return torch.load(stream, weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()
-        detail = next((line for line in first if "Unsupported global" in line), "")
+        named = _GLOBAL.search(str(exc))
         raise UnsafeCheckpointError(
             step,
             f"value {fqn!r}",
             "is refused by torch.load(weights_only=True)"
-            + (f" ({detail.strip()})" if detail else "")
+            + (f": it names {named.group(1)}" if named else "")
             + "; if you wrote it yourself and nobody else can write there, set "
             "CTJ_TRUST_PICKLED_VALUES=1 (or add the class with "
             "torch.serialization.add_safe_globals)",
