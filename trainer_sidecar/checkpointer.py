@@ -236,7 +236,11 @@ class Checkpointer:
         if done is None:
             return None
         staged = done.staged
-        completion = self._persister.watch(staged.step, staged.save) if self._persister else None
+        completion = (
+            self._persister.watch(staged.step, staged.save, staged.rank)
+            if self._persister
+            else None
+        )
         slots.mark_ready(done.slot, staged)
         self.metrics.stall.observe(staged.stage_seconds)
         # no wake-up for an in-process persister: it polls its slots (every 50 ms), and

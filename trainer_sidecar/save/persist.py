@@ -42,7 +42,7 @@ from .uploader import StagedFile, UploadSettings, upload_rank
 
 log = logging.getLogger("ctj.persist")
 
-Watched = tuple[int, SaveIdentity]
+Watched = tuple[int, SaveIdentity, int]  # step, save, rank
 
 
 class Persister:
@@ -77,20 +77,20 @@ class Persister:
 
     # -- in-process completion: futures, no polling -----------------------------
 
-    def watch(self, step: int, save: SaveIdentity) -> cf.Future[Manifest | None]:
+    def watch(self, step: int, save: SaveIdentity, rank: int) -> cf.Future[Manifest | None]:
         """A future of this rank's part of the save: the manifest once rank 0 committed
         it, None once another rank's part is stored; the SaveFailed if it failed.
         Register before marking the slot ready."""
         fut: cf.Future[Manifest | None] = cf.Future()
         with self._lock:
-            self._watchers[(step, save)] = fut
+            self._watchers[(step, save, rank)] = fut
         return fut
 
     def _resolve(
         self, staged: slots.StagedCheckpoint, result: Manifest | SaveFailed | None
     ) -> None:
         with self._lock:
-            fut = self._watchers.pop((staged.step, staged.save), None)
+            fut = self._watchers.pop((staged.step, staged.save, staged.rank), None)
         if fut is None or fut.done():
             return
         if isinstance(result, SaveFailed):

@@ -1,0 +1,323 @@
+"""The fenced commit's rules, the persister's and gc's, over an in-memory store (milliseconds)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.unit.fakes import MemoryStore
+from trainer_sidecar.config import CheckpointConfig
+from trainer_sidecar.errors import CheckpointError, CommitConflict, ObjectExists, SaveFailed
+from trainer_sidecar.format.chunking import Span
+from trainer_sidecar.format.manifest import (
+    ChunkRef,
+    FileEntry,
+    Manifest,
+    Mode,
+    PartKey,
+    RankPart,
+    SaveIdentity,
+    failure_key,
+    manifest_key,
+    part_key,
+    part_prefix,
+)
+from trainer_sidecar.format.policy import SavePlan, plan_save
+from trainer_sidecar.metrics import CheckpointMetrics
+from trainer_sidecar.save import slots
+from trainer_sidecar.save.persist import Persister
+from trainer_sidecar.store import commit as commits
+from trainer_sidecar.store import repository
+
+A1 = SaveIdentity("1", "aaaaaaaaaaaaaaaa")
+A2 = SaveIdentity("2", "bbbbbbbbbbbbbbbb")
+STEP = 5
+
+
+def plan(save: SaveIdentity, step: int = STEP) -> SavePlan:
+    return plan_save(step, mode=Mode.FULL, full_every=1, latest=None, save=save)
+
+
+def part(save: SaveIdentity, rank: int, world: int, *, chunk: str = "", step: int = STEP) -> RankPart:
+    cid = chunk or f"{save.attempt}{rank}".ljust(64, "0")
+    entry = FileEntry(4, (ChunkRef(cid, 4, 4, "none", ("b",)),))
+    return RankPart(
+        step=step,
+        rank=rank,
+        save=save,
+        world_size=world,
+        files={f"__{rank}_0.distcp": entry},
+        uploaded_bytes=4,
+        deduplicated_bytes=0,
+        upload_seconds=0.1,
+    )
+
+
+def store_parts(store: MemoryStore, *parts: RankPart) -> None:
+    for p in parts:
+        commits.store_part(store, p)
+
+
+def do_commit(store: MemoryStore, save: SaveIdentity, world: int) -> Manifest:
+    return commits.commit(
+        store, plan(save), world_size=world, block_size=1 << 20, timings={}, versions={}
+    )
+
+
+# -- pure rules -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ranks", "world", "error"),
+    [
+        ([0, 1, 2], 3, None),
+        ([2, 0, 1], 3, None),
+        ([0, 2], 3, "ranks [1] did not upload"),
+        ([0, 1, 2, 3], 3, "parts of unknown ranks [3]"),
+        ([], 1, "ranks [0] did not upload"),
+    ],
+)
+def test_select_parts_takes_exactly_ranks_0_to_w_minus_1(
+    ranks: list[int], world: int, error: str | None
+) -> None:
+    parts = [part(A2, r, world) for r in ranks]
+    if error:
+        with pytest.raises(CheckpointError, match=error.replace("[", r"\[").replace("]", r"\]")):
+            commits.select_parts(parts, plan(A2), world)
+    else:
+        assert [p.rank for p in commits.select_parts(parts, plan(A2), world)] == list(range(world))
+
+
+def test_select_parts_ignores_other_saves_and_refuses_another_world_size() -> None:
+    mixed = [part(A1, 0, 2), part(A1, 1, 2), part(A2, 0, 2)]
+    with pytest.raises(CheckpointError, match=r"ranks \[1\] did not upload"):
+        commits.select_parts(mixed, plan(A2), 2)
+    with pytest.raises(CheckpointError, match="staged for 3 ranks, the save planned 2"):
+        commits.select_parts([part(A2, 0, 2), part(A2, 1, 3)], plan(A2), 2)
+
+
+def test_read_progress_counts_only_this_saves_parts_and_failures() -> None:
+    keys = [
+        part_key(STEP, A2, 0),
+        part_key(STEP, A2, 2),
+        part_key(STEP, A1, 1),  # another attempt's
+        part_key(STEP + 1, A2, 1),  # another step's
+        failure_key(STEP, A2, "rank-1"),
+        failure_key(STEP, A1, "commit"),
+        "parts/garbage",
+    ]
+    got = commits.read_progress(keys, STEP, A2)
+    assert got == commits.Progress(frozenset({0, 2}), ("rank-1",))
+
+
+def test_part_keys_parse_back_both_format_versions() -> None:
+    assert PartKey.parse(part_key(7, A1, 3)) == PartKey(7, A1, "rank-00003.json")
+    assert PartKey.parse("parts/00000000000000000007/rank-00003.json") == PartKey(
+        7, None, "rank-00003.json"
+    )
+    assert PartKey.parse("parts/x/y/z/w") is None
+    assert SaveIdentity.parse(A1.key) == A1
+    with pytest.raises(ValueError):
+        SaveIdentity("1", "not-hex")
+
+
+# -- commit -----------------------------------------------------------------------
+
+
+def test_commit_takes_only_its_own_saves_parts() -> None:
+    store = MemoryStore()
+    # the dead attempt 1 left parts of the same step (world 2); attempt 2 runs at world 3
+    store_parts(store, part(A1, 0, 2), part(A1, 1, 2))
+    store_parts(store, *(part(A2, r, 3) for r in range(3)))
+    manifest = do_commit(store, A2, 3)
+    assert manifest.save == A2 and manifest.world_size == 3
+    assert {c.id[:2] for c in manifest.chunks().values()} == {"20", "21", "22"}
+    assert Manifest.from_bytes(store.get(manifest_key(STEP))).save == A2
+    assert store.keys(part_prefix(STEP, A2)) == []  # its own parts are cleaned up
+    assert len(store.keys(part_prefix(STEP, A1))) == 2  # the others wait for gc
+
+
+def test_commit_with_a_missing_rank_writes_nothing() -> None:
+    store = MemoryStore()
+    store_parts(store, part(A2, 0, 2), part(A1, 1, 2))  # rank 1 only from another attempt
+    with pytest.raises(CheckpointError, match=r"ranks \[1\] did not upload"):
+        do_commit(store, A2, 2)
+    assert store.keys("manifests/") == []
+
+
+class LandedThenExists(MemoryStore):
+    """A create-only PUT whose first try landed but whose reply was lost: the retry
+    finds the key taken (S3 answers 412)."""
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
+        super().put(key, data, if_absent=if_absent)
+        if if_absent:
+            raise ObjectExists(key)
+
+
+def test_a_retried_commit_recognises_its_own_manifest() -> None:
+    store = LandedThenExists()
+    store_parts(store, part(A2, 0, 1))
+    manifest = do_commit(store, A2, 1)
+    assert manifest.save == A2
+
+
+def test_a_commit_that_lost_to_another_save_says_so() -> None:
+    store = MemoryStore()
+    store_parts(store, part(A1, 0, 1))
+    do_commit(store, A1, 1)
+    store_parts(store, part(A2, 0, 1))
+    with pytest.raises(CommitConflict, match="already committed by another save .attempt 1"):
+        do_commit(store, A2, 1)
+    assert Manifest.from_bytes(store.get(manifest_key(STEP))).save == A1
+
+
+def test_outcome_of_a_save() -> None:
+    store = MemoryStore()
+    assert commits.outcome(store, STEP, A2) is None
+    commits.report_failure(store, STEP, A2, "rank-1", "disk on fire")
+    failed = commits.outcome(store, STEP, A2)
+    assert isinstance(failed, SaveFailed) and "rank-1: disk on fire" in str(failed)
+    store_parts(store, part(A1, 0, 1))
+    do_commit(store, A1, 1)
+    assert isinstance(commits.outcome(store, STEP, A1), Manifest)
+    assert isinstance(commits.outcome(store, STEP, A2), CommitConflict)
+
+
+def test_a_retired_manifest_answers_only_for_its_own_save() -> None:
+    store = MemoryStore()
+    store_parts(store, part(A1, 0, 1))
+    do_commit(store, A1, 1)
+    repository.retire(store, [STEP])
+    assert isinstance(commits.outcome(store, STEP, A1), Manifest)  # retention took it at once
+    assert commits.outcome(store, STEP, A2) is None  # history, not an answer: still in flight
+
+
+# -- gc -----------------------------------------------------------------------------
+
+
+def test_gc_removes_the_committed_saves_parts_at_once_and_others_after_the_grace() -> None:
+    store = MemoryStore()
+    straggler = part(A1, 1, 2, chunk="ff".ljust(64, "1"))
+    store.put(straggler.files["__1_0.distcp"].chunks[0].key, b"data")
+    store_parts(store, straggler)
+    store_parts(store, part(A2, 0, 1))
+    do_commit(store, A2, 1)
+    commits.store_part(store, part(A2, 0, 1))  # as if the cleanup after the commit was cut
+    store.now += 10
+    report = repository.collect_garbage(store, grace_s=60)
+    assert store.keys(part_prefix(STEP, A2)) == []
+    assert store.keys(part_prefix(STEP, A1)) == [part_key(STEP, A1, 1)]  # maybe in flight
+    assert straggler.files["__1_0.distcp"].chunks[0].key in store.keys("chunks/")
+    assert report.deleted_parts == 1
+    store.now += 120
+    repository.collect_garbage(store, grace_s=60)
+    assert store.keys("parts/") == [] and store.keys("chunks/") == []
+
+
+# -- the persister ----------------------------------------------------------------
+
+
+def stage(root: Path, rank: int, world: int, plan_: SavePlan, *, staged_at: float) -> Path:
+    slot = slots.slot_dirs(root, rank, 1)[0]
+    slot.mkdir(parents=True)
+    name = f"__{rank}_0.distcp"
+    (slot / name).write_bytes(bytes([rank]) * 1000 + plan_.save.nonce.encode())
+    files: tuple[tuple[str, tuple[Span, ...]], ...] = ((name, (Span(0, 1016),)),)
+    slots.mark_ready(
+        slot,
+        slots.StagedCheckpoint(
+            step=plan_.step,
+            rank=rank,
+            world_size=world,
+            plan=plan_,
+            files=files,
+            staged_at=staged_at,
+            stage_seconds=0.01,
+        ),
+    )
+    return slot
+
+
+def persister(store: MemoryStore, root: Path, *, rank: int | None, timeout: float = 5) -> Persister:
+    config = CheckpointConfig(uri=f"file://{root}/store", commit_timeout_s=timeout, keep_last=0)
+    return Persister(store, config, root=root, metrics=CheckpointMetrics(), rank=rank)
+
+
+def test_a_sidecar_serving_every_rank_commits_and_frees_the_slots(tmp_path: Path) -> None:
+    store = MemoryStore()
+    p = persister(store, tmp_path, rank=None)
+    futures = [p.watch(STEP, A2, rank) for rank in range(2)]
+    for rank in range(2):
+        stage(tmp_path, rank, 2, plan(A2), staged_at=time.time())
+    assert p.run_once()
+    assert slots.pending(tmp_path) == []
+    manifest = futures[0].result(timeout=0)
+    assert isinstance(manifest, Manifest) and manifest.save == A2
+    assert futures[1].result(timeout=0) is None  # rank 1's part: stored, rank 0 commits
+    assert set(manifest.files) == {"__0_0.distcp", "__1_0.distcp"}
+
+
+def test_rank0_keeps_its_slot_until_the_commit_is_decided(tmp_path: Path) -> None:
+    store = MemoryStore()
+    p = persister(store, tmp_path, rank=0, timeout=0.3)
+    fut = p.watch(STEP, A2, 0)
+    stage(tmp_path, 0, 2, plan(A2), staged_at=time.time())
+    with cf.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(p.run_once)
+        deadline = time.monotonic() + 5
+        while not store.keys(part_prefix(STEP, A2)) and time.monotonic() < deadline:
+            time.sleep(0.005)  # wait for rank 0's part to be stored
+        assert [s.step for _, s in slots.pending(tmp_path)] == [STEP]  # uploaded, not freed
+        running.result(timeout=10)
+    with pytest.raises(SaveFailed, match="only 1 of 2 ranks uploaded"):
+        fut.result(timeout=0)
+    assert slots.pending(tmp_path) == []
+    assert store.keys(failure_key(STEP, A2, "commit"))  # the other ranks learn it
+
+
+def test_the_commit_stops_waiting_as_soon_as_a_rank_reports_failure(tmp_path: Path) -> None:
+    store = MemoryStore()
+    commits.report_failure(store, STEP, A2, "rank-1", "upload of chunk x: SlowDown")
+    p = persister(store, tmp_path, rank=0, timeout=60)
+    fut = p.watch(STEP, A2, 0)
+    stage(tmp_path, 0, 2, plan(A2), staged_at=time.time())
+    started = time.monotonic()
+    p.run_once()
+    assert time.monotonic() - started < 5
+    with pytest.raises(SaveFailed, match="rank-1: upload of chunk x: SlowDown"):
+        fut.result(timeout=0)
+
+
+def test_a_restarted_sidecar_commits_what_was_fully_uploaded_without_uploading(
+    tmp_path: Path,
+) -> None:
+    store = MemoryStore()
+    store_parts(store, part(A2, 0, 2), part(A2, 1, 2))  # every part stored before the kill
+    stage(tmp_path, 0, 2, plan(A2), staged_at=time.time() - 60)  # staged before the restart
+    puts_before = len(store.puts)
+    p = persister(store, tmp_path, rank=0)
+    p.run_once()
+    assert Manifest.from_bytes(store.get(manifest_key(STEP))).save == A2
+    assert [k for k in store.puts[puts_before:] if k.startswith("chunks/")] == []
+    assert slots.pending(tmp_path) == []
+
+
+def test_a_restarted_sidecar_whose_commit_had_landed_only_frees_the_slot(tmp_path: Path) -> None:
+    store = MemoryStore()
+    store_parts(store, part(A2, 0, 1))
+    do_commit(store, A2, 1)
+    stage(tmp_path, 0, 1, plan(A2), staged_at=time.time() - 60)
+    puts_before = len(store.puts)
+    persister(store, tmp_path, rank=0).run_once()
+    assert store.puts[puts_before:] == [] and slots.pending(tmp_path) == []
+
+
+def test_failure_markers_carry_the_reason_as_json() -> None:
+    store = MemoryStore()
+    commits.report_failure(store, STEP, A1, "rank-3", "boom")
+    assert json.loads(store.get(failure_key(STEP, A1, "rank-3"))) == {"reason": "boom"}
