@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import builtins
 from collections.abc import Iterable, Iterator
 
 from trainer_sidecar.errors import ObjectExists, ObjectNotFound
@@ -44,5 +45,5 @@ class MemoryStore:
             for key in doomed:
                 self.objects.pop(key, None)
 
-    def keys(self, prefix: str = "") -> list[str]:
+    def keys(self, prefix: str = "") -> builtins.list[str]:
         return [o.key for o in self.list(prefix)]

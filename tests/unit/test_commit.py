@@ -42,7 +42,9 @@ def plan(save: SaveIdentity, step: int = STEP) -> SavePlan:
     return plan_save(step, mode=Mode.FULL, full_every=1, latest=None, save=save)
 
 
-def part(save: SaveIdentity, rank: int, world: int, *, chunk: str = "", step: int = STEP) -> RankPart:
+def part(
+    save: SaveIdentity, rank: int, world: int, *, chunk: str = "", step: int = STEP
+) -> RankPart:
     cid = chunk or f"{save.attempt}{rank}".ljust(64, "0")
     entry = FileEntry(4, (ChunkRef(cid, 4, 4, "none", ("b",)),))
     return RankPart(
