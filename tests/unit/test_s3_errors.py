@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import io
 import random
 from collections.abc import Callable
@@ -277,3 +278,28 @@ def test_the_endpoint_is_named_without_its_userinfo() -> None:
     with pytest.raises(StoreUnavailable) as info:
         store.get("k")
     assert "pa55" not in str(info.value) and "http://s3.example:9000" in str(info.value)
+
+
+def test_list_retries_a_failed_page_and_yields_every_key_once() -> None:
+    modified = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    pages = iter([
+        {"Contents": [{"Key": "jobs/a/m/1", "Size": 1, "LastModified": modified}],
+         "IsTruncated": True, "NextContinuationToken": "t1"},
+        {"Contents": [{"Key": "jobs/a/m/2", "Size": 2, "LastModified": modified}],
+         "IsTruncated": False},
+    ])  # fmt: skip
+    tokens: list[str | None] = []
+    client = ScriptedClient([])
+
+    def list_objects_v2(*, ContinuationToken: str | None = None, **_: Any) -> dict[str, Any]:
+        client._next()
+        tokens.append(ContinuationToken)
+        return next(pages)
+
+    client.list_objects_v2 = list_objects_v2  # type: ignore[method-assign]
+    store = store_with(client)
+    first = store.list("m/")
+    assert next(first).key == "m/1"
+    client.failures = [bex.ReadTimeoutError(endpoint_url=ENDPOINT)]  # the second page, once
+    assert [(o.key, o.size) for o in first] == [("m/2", 2)]
+    assert tokens == [None, "t1"] and client.calls == 3

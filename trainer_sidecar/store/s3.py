@@ -7,25 +7,26 @@ text of an exception, and the endpoint without any user:password in it).
 Every chunk is at most 64 MiB, so each is one PUT; parallelism comes from the
 caller uploading many chunks at once (the chunks are the parts).
 
-Retries are ours, not botocore's (its retries are switched off): botocore's
-"standard" mode retries a request that fails (throttling, 5xx, connection
-errors) but not a GET whose body breaks while it streams (a reset, a read
-timeout, a body shorter than its Content-Length), which is the common way a
-large read fails. One loop (`S3Store._retrying`) retries every operation on
-the failures `classify` calls retryable, by exception type and S3 error code,
-never by message text: no connection / reset / closed before a reply, timeouts,
-a broken or short body, 5xx except 501, throttling codes, RequestTimeout, and
-409 ConditionalRequestConflict (two conditional writes raced; retried, after
-which a 412 means the object exists). Backoff is capped, fully jittered
-exponential, up to `S3Settings.max_attempts` attempts in all; then
-`StoreUnavailable`, one line naming the endpoint and the last error.
+Retries are ours, not botocore's: its "standard" mode retries a request that
+fails (throttling, 5xx, connection errors) but not a GET whose body breaks
+while it streams (a reset, a read timeout, a body shorter than its
+Content-Length), and a chunk-sized read spends most of its time streaming.
+Its retries are off, so attempts are counted once and never multiply. One
+loop (`S3Store._retrying`) retries every operation on the failures `classify`
+calls retryable, by exception type and S3 error code, never by message text:
+no connection, a reset or close before a reply, timeouts, a broken or short
+body, 5xx except 501, throttling codes, RequestTimeout, and 409
+ConditionalRequestConflict (two conditional writes raced; retried, after which
+a 412 means the object exists). Backoff is capped, fully jittered exponential,
+up to `S3Settings.max_attempts` attempts in all; then `StoreUnavailable`, one
+line naming the endpoint and the last error.
 A create-only PUT retried after a reply was lost may find its own object and
 raise ObjectExists: a committer reads the object back to tell (DESIGN, Fencing).
 
 Conditional writes are probed, not assumed: some S3-compatible servers ignore
 If-None-Match. The first create-only put of a store PUTs a probe object twice
-(`check_conditional_writes`); a server that accepts the second refuses the
-commit unless CTJ_S3_ALLOW_UNCONDITIONAL_WRITES=1 opts into check-then-write.
+(`check_conditional_writes`); where the second is accepted, commits are refused
+unless CTJ_S3_ALLOW_UNCONDITIONAL_WRITES=1 opts into check-then-write.
 
 Integrity on the way in: every PUT carries a CRC32 of its body
 (x-amz-checksum-crc32, checked by the server) instead of a SHA-256 of the
