@@ -187,8 +187,10 @@ def commit(
     try:
         store.put(manifest_key(plan.step), manifest.to_bytes(), if_absent=True)
     except ObjectExists:
-        manifest = judge(read_manifest(store, plan.step), plan.save)
-        log.info("step %d: the manifest was already ours (a retried commit)", plan.step)
+        log.info("step %d: a manifest is there already; reading it back", plan.step)
+    # read back, always: a retried PUT that had landed is ours; a server that let another
+    # committer overwrite (a weaker mode, see store/s3.py) is caught here, not later
+    manifest = judge(read_manifest(store, plan.step), plan.save)
     store.delete(o.key for o in store.list(prefix))
     return manifest
 
