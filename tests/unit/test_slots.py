@@ -1,0 +1,122 @@
+"""The staging root is private and one process stages a rank; a full volume is an error."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer_sidecar import CheckpointConfig, Checkpointer
+from trainer_sidecar.errors import CheckpointError
+from trainer_sidecar.save import slots, staging
+
+
+def test_the_staging_root_is_created_private(tmp_path: Path) -> None:
+    root = slots.prepare_root(tmp_path / "stage" / "job")
+    assert root.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_too_open_root_of_ours_is_tightened(tmp_path: Path) -> None:
+    root = tmp_path / "job"
+    root.mkdir(mode=0o777)
+    os.chmod(root, 0o777)
+    slots.prepare_root(root)
+    assert root.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_root_owned_by_someone_else_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "job"
+    root.mkdir(mode=0o700)
+    os.chown(root, 65534, 65534)  # nobody
+    with pytest.raises(CheckpointError, match="belongs to uid 65534, not to this process"):
+        slots.prepare_root(root)
+
+
+def test_a_symlink_in_place_of_the_root_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "job").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        slots.prepare_root(tmp_path / "job")
+
+
+def test_two_locks_on_one_rank_exclude_each_other_until_released(tmp_path: Path) -> None:
+    first, second = slots.RankLock(tmp_path, 3), slots.RankLock(tmp_path, 3)
+    first.acquire()
+    with pytest.raises(CheckpointError, match=f"rank 3 is already staging .* \\(pid {os.getpid()}\\)"):
+        second.acquire()
+    slots.RankLock(tmp_path, 4).acquire()  # another rank is free
+    first.release()
+    second.acquire()
+    second.release()
+
+
+def test_a_lock_held_by_another_process_refuses_and_dies_with_it(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, pathlib; from trainer_sidecar.save.slots import RankLock;"
+            f"RankLock(pathlib.Path({str(tmp_path)!r}), 0).acquire(); print('held', flush=True);"
+            "sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(CheckpointError, match=f"pid {holder.pid}"):
+            slots.RankLock(tmp_path, 0).acquire()
+    finally:
+        holder.kill()  # kill -9 releases it: a restarted trainer never waits
+        holder.wait()
+    slots.RankLock(tmp_path, 0).acquire()
+
+
+def test_two_checkpointers_cannot_stage_one_rank(tmp_path: Path) -> None:
+    config = CheckpointConfig(uri=f"file://{tmp_path}/store", staging_dir=str(tmp_path / "s"))
+    model = torch.nn.Linear(4, 4)
+    with Checkpointer(config) as first:
+        first.save(1, model=model).result()  # type: ignore[union-attr]
+        with pytest.raises(CheckpointError, match="rank 0 is already staging"):
+            Checkpointer(config).save(2, model=model)
+    with Checkpointer(config) as again:  # closed: free again
+        again.save(3, model=model).result()  # type: ignore[union-attr]
+
+
+def test_a_full_staging_volume_is_a_checkpoint_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    with pytest.raises(CheckpointError, match="staging volume has no room for 4,096 bytes"):
+        staging.mapped(tmp_path / "slot" / "__0_0.distcp").ensure(4096)
+
+
+def tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)])
+    return done.returncode == 0
+
+
+def test_a_save_into_a_real_full_tmpfs_fails_cleanly(tmp_path: Path) -> None:
+    """The real thing where the machine lets us mount one (root): no SIGBUS, an error."""
+    small = tmp_path / "tmpfs"
+    if os.geteuid() != 0 or not tmpfs(small, "1m"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        config = CheckpointConfig(uri=f"file://{tmp_path}/store", staging_dir=str(small))
+        with Checkpointer(config) as ckpt:
+            with pytest.raises(CheckpointError, match="no room"):
+                ckpt.save(1, model=torch.nn.Linear(1024, 1024))  # 4 MiB into 1 MiB
+            assert ckpt.save(2, model=torch.nn.Linear(64, 64)) is not None  # fits: saves
+    finally:
+        subprocess.run(["umount", str(small)])
