@@ -48,7 +48,8 @@ def test_a_symlink_in_place_of_the_root_is_refused(tmp_path: Path) -> None:
 def test_two_locks_on_one_rank_exclude_each_other_until_released(tmp_path: Path) -> None:
     first, second = slots.RankLock(tmp_path, 3), slots.RankLock(tmp_path, 3)
     first.acquire()
-    with pytest.raises(CheckpointError, match=f"rank 3 is already staging .* \\(pid {os.getpid()}\\)"):
+    held_by_us = f"rank 3 is already staging .* \\(pid {os.getpid()}\\)"
+    with pytest.raises(CheckpointError, match=held_by_us):
         second.acquire()
     slots.RankLock(tmp_path, 4).acquire()  # another rank is free
     first.release()
