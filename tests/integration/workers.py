@@ -251,3 +251,25 @@ def load_series_and_compare(args: dict[str, Any]) -> None:
                 got, want["state"] = got["model"], want["state"]["model"]
             assert_bitwise_equal(got, want["state"])
     print(f"series bitwise equal at world size {dist.get_world_size()}")
+
+
+def save_while_rank1_store_fails(args: dict[str, Any]) -> None:
+    """Rank 1 reaches the store through a proxy that fails its first upload for good;
+    every rank must hear of the failure from the store within seconds."""
+    from trainer_sidecar.errors import SaveFailed
+
+    model, opt = build(args["kind"], seed=0)
+    overrides = dict(args.get("config", {}))
+    if dist.get_rank() == 1:
+        overrides.update(endpoint_url=args["rank1_endpoint"], parallelism=1)
+    ckpt = Checkpointer(CheckpointConfig(uri=args["uri"], **overrides))
+    pending = ckpt.save(1, model=model, optimizer=opt, extra={"step": 1})
+    assert pending is not None
+    started = time.monotonic()
+    try:
+        pending.result()
+    except SaveFailed as exc:
+        print(f"rank {dist.get_rank()} learned in {time.monotonic() - started:.1f}s: {exc}")
+    else:
+        raise AssertionError("the save committed although rank 1's upload failed")
+    ckpt.close(timeout=5)

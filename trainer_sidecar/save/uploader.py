@@ -58,12 +58,17 @@ def _mapped(path: str) -> Iterator[memoryview]:
     if size == 0:
         yield memoryview(b"")
         return
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         view = memoryview(m)
         try:
             yield view
         finally:
             view.release()
+            try:
+                m.close()
+            except BufferError:  # a view kept alive elsewhere: the mapping goes with it
+                log.debug("%s: a view outlived the upload; unmapped when it goes", path)
 
 
 class _Dedup:

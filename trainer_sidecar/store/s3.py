@@ -307,6 +307,12 @@ class _ViewReader(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
+    def close(self) -> None:
+        """Let go of the staged bytes: a failed request (its traceback, a retry's leftovers)
+        may outlive the call, and a live view would keep the slot's mapping open."""
+        self._view.release()
+        super().close()
+
 
 class _NotImplemented(CheckpointError):
     """The server answered 501 NotImplemented (the probe reads it as "no conditional writes")."""
@@ -509,14 +515,18 @@ class S3Store:
 
         def once() -> None:
             body = data if isinstance(data, bytes) else _ViewReader(memoryview(data))
-            self._s3.put_object(
-                Bucket=self.bucket,
-                Key=self.prefix + key,
-                Body=body,
-                ContentLength=size,
-                ChecksumCRC32=crc,
-                **extra,
-            )
+            try:
+                self._s3.put_object(
+                    Bucket=self.bucket,
+                    Key=self.prefix + key,
+                    Body=body,
+                    ContentLength=size,
+                    ChecksumCRC32=crc,
+                    **extra,
+                )
+            finally:
+                if isinstance(body, _ViewReader):
+                    body.close()
 
         self._retrying("PUT", key, once)
 
