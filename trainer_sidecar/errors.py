@@ -25,6 +25,10 @@ class CorruptCheckpointError(CheckpointError):
         self.chunk_id = chunk_id
         self.reason = reason
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # collectives carry it between ranks: rebuild from the three fields, not the message
+        return type(self), (self.step, self.chunk_id, self.reason)
+
 
 class UploadAborted(Exception):
     """An upload stopped before it finished (shutdown grace ran out); nothing was committed."""

@@ -80,7 +80,7 @@ def test_unreachable_endpoint(s3_env: dict[str, str]) -> None:
     closed = f"http://127.0.0.1:{free_port()}"
     out = ctj("checkpoints", "ls", "s3://bucket/x", "--endpoint-url", closed,
               env={"CTJ_S3_MAX_ATTEMPTS": "2"})
-    assert_one_line_error(out, "cannot reach the S3 endpoint", closed)
+    assert_one_line_error(out, "is unreachable after 2 attempts", closed)
 
 
 def test_unknown_step(s3_uri: str) -> None:

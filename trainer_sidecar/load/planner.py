@@ -20,7 +20,6 @@ failure to every rank (pickled), so each must survive a pickle round trip.
 
 from __future__ import annotations
 
-import copyreg
 import io
 import pickle
 import re
@@ -31,27 +30,13 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointError, UnsafeCheckpointError
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")  # how weights_only's refusal names the global
 
 
 class StateMismatch(CheckpointError):
     """The state being loaded does not match the checkpoint (DCP's planner said so)."""
-
-
-def _rebuild(cls: type[CorruptCheckpointError], state: dict[str, Any]) -> CorruptCheckpointError:
-    return cls(state["step"], state["chunk_id"], state["reason"])
-
-
-def _reduce(exc: CorruptCheckpointError) -> tuple[Any, ...]:
-    return _rebuild, (type(exc), {"step": exc.step, "chunk_id": exc.chunk_id, "reason": exc.reason})
-
-
-# Their __init__ takes (step, what, reason) while BaseException pickles only the message:
-# without this, a rank's corrupt chunk would reach the other ranks as a TypeError.
-for _cls in (CorruptCheckpointError, UnsafeCheckpointError):
-    copyreg.pickle(_cls, _reduce)
 
 
 def decode_value(data: bytes | io.BytesIO, *, step: int, fqn: str, trusted: bool) -> Any:
