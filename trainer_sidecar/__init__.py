@@ -19,14 +19,24 @@ _EXPORTS = {
     "SaveResult": "checkpointer",
     "CheckpointConfig": "config",
     "CheckpointError": "errors",
+    "CommitConflict": "errors",
     "CorruptCheckpointError": "errors",
     "NoCheckpointError": "errors",
+    "SaveFailed": "errors",
+    "StoreUnavailable": "errors",
 }
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, LoadResult, PendingSave, SaveResult
     from .config import CheckpointConfig
-    from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+    from .errors import (
+        CheckpointError,
+        CommitConflict,
+        CorruptCheckpointError,
+        NoCheckpointError,
+        SaveFailed,
+        StoreUnavailable,
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -39,10 +49,13 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointError",
     "Checkpointer",
+    "CommitConflict",
     "CorruptCheckpointError",
     "LoadResult",
     "NoCheckpointError",
     "PendingSave",
+    "SaveFailed",
     "SaveResult",
+    "StoreUnavailable",
     "__version__",
 ]

@@ -262,10 +262,7 @@ class Checkpointer:
 
     def preemption_requested(self) -> bool:
         """Collective: True on every rank once any rank got SIGTERM (see handle_sigterm)."""
-        flag = torch.tensor([1 if self._preempted else 0])
-        if collectives.active(self.group):
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        return collectives.any_rank(self._preempted, self.group)
 
     def handle_sigterm(self) -> None:
         """On SIGTERM, only note it: the loop saves at the next step boundary and exits."""
