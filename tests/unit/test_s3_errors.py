@@ -20,16 +20,8 @@ from trainer_sidecar.errors import (
     StoreUnavailable,
 )
 from trainer_sidecar.store.base import Location
-from trainer_sidecar.store.s3 import (
-    ALLOW_UNCONDITIONAL_ENV,
-    Failure,
-    S3Settings,
-    S3Store,
-    ShortBody,
-    backoff_s,
-    classify,
-    describe,
-)
+from trainer_sidecar.store.s3 import ALLOW_UNCONDITIONAL_ENV, S3Settings, S3Store
+from trainer_sidecar.store.s3_errors import Failure, ShortBody, backoff_s, classify, describe
 
 ENDPOINT = "http://s3.example:9000"
 SECRET = "wJalrXUtnFEMI-not-for-messages"
