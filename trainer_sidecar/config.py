@@ -157,6 +157,7 @@ class CheckpointConfig:
             "full_every": ("CTJ_CHECKPOINT_FULL_EVERY", int),
             "keep_last": ("CTJ_CHECKPOINT_KEEP_LAST", int),
             "chunk_size": ("CTJ_CHECKPOINT_CHUNK_SIZE", int),
+            "block_size": ("CTJ_CHECKPOINT_BLOCK_SIZE", int),
             "compression": ("CTJ_CHECKPOINT_COMPRESSION", str),
             "parallelism": ("CTJ_CHECKPOINT_PARALLELISM", int),
             "staging_dir": ("CTJ_STAGING_DIR", str),
