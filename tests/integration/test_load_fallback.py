@@ -15,12 +15,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 import torch
 
 from tests.conftest import free_port
 from tests.integration.ranks import run_ranks
+from tests.integration.test_faults import flip_one_byte
 from tests.integration.test_safe_loading import (
     blank_extra,
     committed,
@@ -33,7 +33,7 @@ from trainer_sidecar import CheckpointConfig, Checkpointer, CheckpointError
 from trainer_sidecar.errors import StoreUnavailable
 from trainer_sidecar.format.manifest import METADATA_FILE, Mode, manifest_key
 from trainer_sidecar.store import repository as repo
-from trainer_sidecar.store.base import Location, ObjectInfo, ObjectStore
+from trainer_sidecar.store.base import ObjectInfo, ObjectStore
 from trainer_sidecar.store.s3 import S3Settings, open_store
 
 pytestmark = pytest.mark.integration
@@ -244,15 +244,6 @@ def load_and_report(args: dict[str, Any]) -> None:
         assert_bitwise_equal(got, torch.load(args["ref"], weights_only=True))
     report = {"step": loaded.step, "skipped": list(loaded.skipped), "read": store.read}
     Path(f"{args['out']}.{rank}").write_text(json.dumps(report))
-
-
-def flip_one_byte(uri: str, endpoint: str, key: str) -> None:
-    loc = Location.parse(uri)
-    s3 = boto3.client("s3", endpoint_url=endpoint)
-    full = f"{loc.prefix}/{key}"
-    body = bytearray(s3.get_object(Bucket=loc.bucket, Key=full)["Body"].read())
-    body[len(body) // 2] ^= 0xFF
-    s3.put_object(Bucket=loc.bucket, Key=full, Body=bytes(body))
 
 
 @pytest.mark.parametrize("fault", ["chunk-only-rank-1-reads", "metadata"])

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from tests.integration.workers import Net
 from trainer_sidecar.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -36,17 +37,6 @@ from trainer_sidecar.load.checks import check_file_name, check_metadata, storage
 from trainer_sidecar.load.planner import StateMismatch, decode_value
 from trainer_sidecar.load.restore import find_corruption, real_error
 from trainer_sidecar.load.safe_pickle import ALLOWED_CLASSES, MetadataUnpickler, load_metadata
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(16, 29)
-        self.norm = torch.nn.LayerNorm(29)
-        self.fc2 = torch.nn.Linear(29, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.norm(self.fc1(x))))
 
 
 @pytest.fixture(scope="module")
