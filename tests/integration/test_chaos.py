@@ -61,7 +61,7 @@ from tests.conftest import ROOT, free_port
 from tests.integration import chaos_worker as cw
 from trainer_sidecar import CheckpointConfig, Checkpointer
 from trainer_sidecar import cli as ctj_cli
-from trainer_sidecar.errors import CheckpointError, ObjectNotFound
+from trainer_sidecar.errors import ObjectNotFound
 from trainer_sidecar.format.manifest import (
     CHUNKS,
     PARTS,
@@ -79,11 +79,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
 ]
 
-# the smallest chunk a sidecar can be given: `ctj sidecar` reads its config from the
-# environment, which has no block size (1 MiB), and chunk_size must be a multiple of it
-# (see the xfail test at the end). Items under the pack size (256 KiB) share chunks, so
-# a rank's part is still a few of them.
-CHUNK_SIZE = 1 << 20
+# small chunks (and blocks, which a chunk size must be a multiple of): a rank's part of a
+# save is a dozen or more chunks, so its upload spans a while and overlaps the others'
+CHUNK_SIZE = 65536
 
 _FORK = multiprocessing.get_context("forkserver")
 _FORK.set_forkserver_preload(["tests.integration.chaos_worker"])
@@ -334,6 +332,7 @@ class Job:
             CTJ_CHECKPOINT_FULL_EVERY=str(s.full_every),
             CTJ_CHECKPOINT_KEEP_LAST="0",
             CTJ_CHECKPOINT_CHUNK_SIZE=str(CHUNK_SIZE),
+            CTJ_CHECKPOINT_BLOCK_SIZE=str(CHUNK_SIZE),
             CTJ_CHECKPOINT_PARALLELISM="2",
             CTJ_STAGING_SLOTS=str(s.slots),
             CTJ_STAGING_DIR=str(self.staging(rank)),
@@ -832,23 +831,3 @@ def test_chaos_values_are_a_function_of_attempt_and_step() -> None:
     changed = {k for k in fa if not torch.equal(fa[k], fd[k])}
     assert {"fc2.weight:param", "fc2.weight:exp_avg", "fc1.weight:step"} <= changed, changed
     assert "fc2.weight:exp_avg_sq" not in changed  # fixed within an attempt: deduplicated
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckpointError,
-    reason="engine bug: CheckpointConfig.from_env has no CTJ_CHECKPOINT_BLOCK_SIZE, so a "
-    "sidecar (configured from its environment only) can never chunk below 1 MiB",
-)
-def test_a_sidecar_takes_chunks_below_one_mib_from_its_environment() -> None:
-    """``ctj sidecar`` reads its settings from CTJ_* variables alone, and chunk_size must be
-    a multiple of block_size (1 MiB by default): without a block size in the environment,
-    CTJ_CHECKPOINT_CHUNK_SIZE=65536 is refused (this test's chunks are 1 MiB for that)."""
-    config = CheckpointConfig.from_env(
-        {
-            "CTJ_CHECKPOINT_URI": "file:///tmp/ctj-chaos-config",
-            "CTJ_CHECKPOINT_CHUNK_SIZE": "65536",
-            "CTJ_CHECKPOINT_BLOCK_SIZE": "65536",
-        }
-    )
-    assert (config.chunk_size, config.block_size) == (65536, 65536)
