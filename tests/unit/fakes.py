@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import threading
 import builtins
+import threading
 from collections.abc import Iterable, Iterator
 
 from trainer_sidecar.errors import ObjectExists, ObjectNotFound
