@@ -17,9 +17,11 @@ environment and log, then runs a ``run_*`` function after ``init_process_group``
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -44,14 +46,14 @@ from trainer_sidecar.errors import SaveFailed
 
 
 class ChaosNet(torch.nn.Module):
-    """About 100k parameters (1.2 MB with AdamW's state): 5-10 64 KiB chunks per rank.
-    Row counts (509, 157, 3) that no world size of 2-4 divides: uneven and empty shards."""
+    """About 50k parameters (600 KB with AdamW's state): 3-5 64 KiB chunks per rank.
+    Row counts (257, 157, 3) that no world size of 2-4 divides: uneven and empty shards."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc1 = torch.nn.Linear(32, 509)
-        self.norm = torch.nn.LayerNorm(509)
-        self.fc2 = torch.nn.Linear(509, 157)
+        self.fc1 = torch.nn.Linear(32, 257)
+        self.norm = torch.nn.LayerNorm(257)
+        self.fc2 = torch.nn.Linear(257, 157)
         self.fc3 = torch.nn.Linear(157, 3)
 
 
@@ -318,6 +320,7 @@ def rank_main(env: dict[str, str], log: str, target: str, args: dict[str, Any]) 
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(env)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks, when a test hangs
     torch.set_num_threads(1)
     logging.basicConfig(
         level=logging.INFO,

@@ -131,7 +131,16 @@ class Participant:
             return ""
 
     def tail(self, n: int = 3000) -> str:
-        return f"--- {self.name} (rc {self.returncode()}) {self.log}\n{self.text()[-n:]}"
+        state = f"rc {self.returncode()}" if not self.alive() else f"alive, {self.state()}"
+        return f"--- {self.name} ({state}) {self.log}\n{self.text()[-n:]}"
+
+    def state(self) -> str:
+        """The kernel's view of it (R running, S sleeping, T stopped, Z zombie)."""
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return "state " + f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return "gone"
 
     def alive(self) -> bool:
         return self.returncode() is None
@@ -169,7 +178,7 @@ class Rank(Participant):
 # importing boto3 again. A child runs ``ctj sidecar`` (cli.main) with its own environment
 # and log; the launcher reaps it and writes its exit status beside its log (<log>.rc).
 _LAUNCHER = r"""
-import json, os, signal, sys, traceback
+import faulthandler, json, os, signal, sys, traceback
 import trainer_sidecar.cli as cli
 import trainer_sidecar.sidecar, trainer_sidecar.store.s3
 assert "torch" not in sys.modules, "ctj sidecar must not import torch"
@@ -211,6 +220,7 @@ for line in sys.stdin:
         os.dup2(log, 2)
         os.environ.clear()
         os.environ.update(req["env"])
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks, when a test hangs
         code = 1
         try:
             code = cli.main(req["argv"])
@@ -301,9 +311,32 @@ class Job:
         if trainers:
             self.start_trainers()
 
+    def wait(self, condition: Callable[[], object], what: str, timeout: float) -> None:
+        """wait_for, and on a timeout every live process's stacks and log in the failure."""
+        try:
+            wait_for(condition, what, timeout)
+        except ChaosFailure as exc:
+            raise ChaosFailure("hang", f"{exc}\n{self.stacks()}") from None
+
+    def stacks(self) -> str:
+        """SIGUSR1 makes every live participant print its threads' stacks (faulthandler)."""
+        alive = [p for p in self.participants if p.alive() and "state T" not in p.state()]
+        before = {p.name: p.text().count("most recent call first") for p in alive}
+        for p in alive:
+            p.signal(signal.SIGUSR1)
+        with contextlib.suppress(ChaosFailure):
+            wait_for(
+                lambda: all(
+                    p.text().count("most recent call first") > before[p.name] for p in alive
+                ),
+                "the stack dumps",
+                10,
+            )
+        return "\n".join(p.tail(8000) for p in self.participants)
+
     def wait_sidecars_ready(self, timeout: float = 60) -> None:
         """Each sidecar has read the store once (publish_latest) and is polling its slots."""
-        wait_for(
+        self.wait(
             lambda: all("persisting" in s.text() or not s.alive() for s in self.sidecars),
             f"attempt {self.spec.attempt}'s sidecars to start",
             timeout,
@@ -377,7 +410,7 @@ class Job:
         for p in self.participants:
             p.signal(signal.SIGCONT)  # a stopped process dies of SIGKILL too, but say so
             p.kill()
-        wait_for(lambda: not any(p.alive() for p in self.participants), "the gang to die", timeout)
+        self.wait(lambda: not any(p.alive() for p in self.participants), "the gang to die", timeout)
 
     def wait_trainers(self, timeout: float) -> None:
         """Every trainer exits 0 within ``timeout``; else fail with their logs."""
@@ -387,10 +420,7 @@ class Job:
                 return True
             return all(t.returncode() == 0 for t in self.trainers)
 
-        try:
-            wait_for(finished, f"attempt {self.spec.attempt}'s trainers to finish", timeout)
-        except ChaosFailure as exc:
-            raise ChaosFailure("hang", f"{exc}\n{self.tails()}") from None
+        self.wait(finished, f"attempt {self.spec.attempt}'s trainers to finish", timeout)
         if any(t.returncode() != 0 for t in self.trainers):
             text = "\n".join(t.text() for t in self.trainers)
             kind = next((k.lower() for k in ("MIXED", "LOST") if f"{k}:" in text), "crash")
@@ -400,7 +430,7 @@ class Job:
         """SIGTERM: each sidecar finishes what is staged and exits 0 (nothing left)."""
         for s in self.sidecars:
             s.signal(signal.SIGTERM)
-        wait_for(
+        self.wait(
             lambda: not any(s.alive() for s in self.sidecars),
             f"attempt {self.spec.attempt}'s sidecars to exit on SIGTERM",
             timeout,
@@ -647,7 +677,7 @@ def run_attempt1(sc: Scenario, job: Job, where: Location) -> dict[str, Any]:
             note = "after attempt 1 finished"  # the trigger can no longer come: kill now
             break
         if time.monotonic() > deadline:
-            raise ChaosFailure("hang", f"timed out waiting for {what}\n{job.tails()}")
+            raise ChaosFailure("hang", f"timed out waiting for {what}\n{job.stacks()}")
         time.sleep(delay)
         delay = min(delay * 2, 0.005)
     fired_at = time.monotonic()
