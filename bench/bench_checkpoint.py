@@ -333,9 +333,10 @@ _CHECKPOINTERS: dict[str, Any] = {}
 def checkpointer(uri: str) -> Any:
     """One Checkpointer per URI and process (an async engine allows only one open)."""
     from trainer_sidecar import CheckpointConfig, Checkpointer
+    from trainer_sidecar.format.manifest import Mode
 
     if uri not in _CHECKPOINTERS:
-        config = CheckpointConfig(uri=uri, mode="incremental", full_every=100, keep_last=0)
+        config = CheckpointConfig(uri=uri, mode=Mode.INCREMENTAL, full_every=100, keep_last=0)
         _CHECKPOINTERS[uri] = Checkpointer(config)
     return _CHECKPOINTERS[uri]
 
