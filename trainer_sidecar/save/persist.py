@@ -4,7 +4,9 @@ For each staged slot (oldest first): upload this rank's part under the save's
 identity (uploader.py), and on rank 0 wait for every rank's part of that save
 and commit the manifest (store/commit.py), then apply retention. It runs in the
 sidecar process (sidecar.py) or on a thread of the training process
-(checkpointer.py), identically, and imports no torch.
+(checkpointer.py), identically, and imports no torch. It must never run torch code:
+CPython 3.11 ends a daemon thread at interpreter exit with pthread_exit, and a thread
+inside a torch op then aborts the process (a finished trainer becomes a Failed pod).
 
 A slot is freed when the persister is done with it: other ranks' once their
 part is stored, rank 0's only once the commit is decided. So a sidecar killed
