@@ -24,6 +24,7 @@ _EXPORTS = {
     "NoCheckpointError": "errors",
     "SaveFailed": "errors",
     "StoreUnavailable": "errors",
+    "GlobalSampler": "sampler",
 }
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
         SaveFailed,
         StoreUnavailable,
     )
+    from .sampler import GlobalSampler
 
 
 def __getattr__(name: str) -> Any:
@@ -51,6 +53,7 @@ __all__ = [
     "Checkpointer",
     "CommitConflict",
     "CorruptCheckpointError",
+    "GlobalSampler",
     "LoadResult",
     "NoCheckpointError",
     "PendingSave",
