@@ -198,6 +198,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_sidecar(args: argparse.Namespace) -> int:
     from . import sidecar
     from .config import CheckpointConfig
+    from .heartbeat import HeartbeatSettings
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -207,7 +208,8 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     port = args.metrics_port if args.metrics_port is not None else config.metrics_port
     grace = args.grace if args.grace is not None else config.shutdown_grace_s
     host = args.metrics_host or os.environ.get("CTJ_METRICS_HOST") or "0.0.0.0"
-    return sidecar.run(config, metrics_port=port, grace_s=grace, metrics_host=host)
+    beat = HeartbeatSettings.from_env()  # CTJ_HEARTBEAT_LEASE unset: no heartbeat
+    return sidecar.run(config, metrics_port=port, grace_s=grace, metrics_host=host, heartbeat=beat)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     top = parser.add_subparsers(dest="command", required=True)
     sc = top.add_parser(
         "sidecar",
-        help="persist what the trainer stages (runs beside it; settings from CTJ_* env)",
+        help="persist what the trainer stages (runs beside it; settings from CTJ_* env; "
+        "CTJ_HEARTBEAT_LEASE: renew that Lease, see trainer_sidecar/heartbeat.py)",
     )
     sc.add_argument("--uri", help="checkpoint location (default: CTJ_CHECKPOINT_URI)")
     sc.add_argument("--staging-dir", help="staging root shared with the trainer (CTJ_STAGING_DIR)")

@@ -106,6 +106,23 @@ class CheckpointMetrics:
         return generate_latest(self.registry)
 
 
+class HeartbeatMetrics:
+    """The sidecar's Lease heartbeat (trainer_sidecar/heartbeat.py), on the sidecar's registry
+    (the library's processes do not beat, so they do not export these)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.beats = Counter(
+            "ctj_heartbeats",
+            "Lease renewals the API server accepted.",
+            registry=registry,
+        )
+        self.failures = Counter(
+            "ctj_heartbeat_failures",
+            "Lease renewals that failed (API server unreachable, 403, 404, ...).",
+            registry=registry,
+        )
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {}
 

@@ -10,6 +10,11 @@ leaves staged checkpoints for its next start and commits nothing partial.
 
 Serves /metrics, /healthz (the persist loop is alive) and /readyz (the store
 answered) when given a port.
+
+Given heartbeat settings (CTJ_HEARTBEAT_LEASE, in a pod the operator made), it renews
+the pod's Lease on a thread of its own, from start-up until ``run()`` returns, SIGTERM
+grace included: the operator sees a dead rank in seconds, reads rank 0's last commit
+from it, and asks for a checkpoint through it (heartbeat.py).
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import time
 from typing import Any
 
 from . import __version__
+from . import heartbeat as heartbeats
 from .config import CheckpointConfig, job_staging_dir
 from .errors import CheckpointError
-from .metrics import CheckpointMetrics, serve
+from .metrics import CheckpointMetrics, HeartbeatMetrics, serve
 from .save import slots
 from .save.persist import Persister
 from .store.s3 import S3Settings, open_store
@@ -37,6 +43,7 @@ def run(
     metrics_port: int | None,
     grace_s: float,
     metrics_host: str = "0.0.0.0",
+    heartbeat: heartbeats.HeartbeatSettings | None = None,
 ) -> int:
     store = open_store(
         config.uri, S3Settings.from_env(endpoint_url=config.endpoint_url, region=config.region)
@@ -69,18 +76,29 @@ def run(
         )
         log.info("serving /metrics, /healthz, /readyz on port %d", server.server_address[1])
     log.info("persisting %s staged under %s to %s", config.mode, root, config.uri)
-
-    delay = 0.5
-    while not stop.is_set() and not ready.is_set():
-        try:
-            persister.publish_latest()
-            ready.set()
-        except CheckpointError as exc:  # the store is not there yet: say so, keep trying
-            log.error("%s (retrying)", exc)
-            stop.wait(delay)
-            delay = min(delay * 2, 10.0)
-    started = time.monotonic()
-    persister.run(stop, grace_s=grace_s)
+    beat = None
+    if heartbeat is not None:
+        beat = heartbeats.start(
+            heartbeat,
+            root=root,
+            latest=persister.latest_committed,
+            metrics=HeartbeatMetrics(metrics.registry),
+        )
+    try:
+        delay = 0.5
+        while not stop.is_set() and not ready.is_set():
+            try:
+                persister.publish_latest()
+                ready.set()
+            except CheckpointError as exc:  # the store is not there yet: say so, keep trying
+                log.error("%s (retrying)", exc)
+                stop.wait(delay)
+                delay = min(delay * 2, 10.0)
+        started = time.monotonic()
+        persister.run(stop, grace_s=grace_s)
+    finally:
+        if beat is not None:
+            beat.stop()  # joined: no thread of ours outlives run()
     left = [s.step for _, s in slots.pending(root)]
     if server is not None:
         server.shutdown()

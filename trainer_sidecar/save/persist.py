@@ -76,6 +76,7 @@ class Persister:
         self._reference_cache: tuple[int, dict[str, ChunkRef]] | None = None
         self._watchers: dict[Watched, cf.Future[Manifest | None]] = {}
         self._lock = threading.Lock()
+        self._latest: Manifest | None = None
 
     # -- in-process completion: futures, no polling -----------------------------
 
@@ -99,6 +100,17 @@ class Persister:
             fut.set_exception(result)
         else:
             fut.set_result(result)
+
+    def latest_committed(self) -> Manifest | None:
+        """The newest checkpoint this persister committed or found committed (at start-up,
+        or a save decided before a restart); None before any. Read by other threads (the
+        sidecar's heartbeat reports it), so nobody re-reads the store for it."""
+        return self._latest
+
+    def _committed(self, manifest: Manifest) -> None:
+        with self._lock:
+            if self._latest is None or manifest.step >= self._latest.step:
+                self._latest = manifest
 
     # -- one staged checkpoint ------------------------------------------------
 
@@ -160,6 +172,7 @@ class Persister:
             versions=self.versions,
         )
         slots.write_state(self.root, Committed.of(manifest), self.config.uri)
+        self._committed(manifest)
         self.metrics.commit.observe(max(0.0, time.time() - staged.staged_at))
         self.metrics.bytes.labels(kind="logical").inc(manifest.logical_bytes)
         self.metrics.last_success.set(manifest.created)
@@ -216,6 +229,7 @@ class Persister:
         latest = repository.latest_manifest(self.store)
         if latest is not None:
             slots.write_state(self.root, Committed.of(latest), self.config.uri)
+            self._committed(latest)
 
     def run_once(self) -> bool:
         """Persist everything staged now; False if there was nothing to do.
@@ -228,6 +242,8 @@ class Persister:
         for slot, staged in work:
             if staged.rank == 0 and (decided := self._recovered(staged)) is not None:
                 what = "committed" if isinstance(decided, Manifest) else str(decided)
+                if isinstance(decided, Manifest):
+                    self._committed(decided)
                 log.info("step %d had been decided before a restart: %s", staged.step, what)
                 self._finish(slot, staged, decided)
                 continue
