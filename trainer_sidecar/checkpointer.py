@@ -30,6 +30,7 @@ import atexit
 import concurrent.futures as cf
 import dataclasses
 import logging
+import os
 import signal
 import threading
 import time
@@ -41,6 +42,7 @@ from . import __version__, collectives
 from .config import CheckpointConfig, job_staging_dir
 from .errors import CheckpointError, SaveFailed
 from .format.manifest import Manifest, SaveIdentity
+from .heartbeat import read_request, request_path
 from .load.restore import LoadResult, RestoreSettings, restore
 from .metrics import CheckpointMetrics, serve
 from .save import slots, staging
@@ -168,6 +170,7 @@ class Checkpointer:
         self.root = job_staging_dir(config)
         self.metrics = metrics or CheckpointMetrics()
         self._preempted = False
+        self._request_file = str(request_path(self.root))  # the sidecar writes it
         self._lock = slots.RankLock(self.root, self.rank)
         self._opened = False
         self._persister: Persister | None = None
@@ -261,8 +264,19 @@ class Checkpointer:
         return int(self._server.server_address[1]) if self._server else None
 
     def preemption_requested(self) -> bool:
-        """Collective: True on every rank once any rank got SIGTERM (see handle_sigterm)."""
-        return collectives.any_rank(self._preempted, self.group)
+        """Collective: True on every rank once any rank got SIGTERM (see handle_sigterm) or
+        its pod's sidecar received a checkpoint request from the operator (a planned
+        resize; see checkpoint_request). For the training loop it means: save at this step
+        boundary, wait for the commit (``result()``), and stop. Every rank must call it at
+        the same step; each call costs one all-reduce and one ``os.path.exists``."""
+        asked = self._preempted or os.path.exists(self._request_file)
+        return collectives.any_rank(asked, self.group)
+
+    def checkpoint_request(self) -> str | None:
+        """The id of the operator's checkpoint request this pod's sidecar wrote into the
+        staging root, or None. Local, not collective: ranks of other pods may see None
+        while ``preemption_requested()`` is True on all of them."""
+        return read_request(self.root)
 
     def handle_sigterm(self) -> None:
         """On SIGTERM, only note it: the loop saves at the next step boundary and exits."""
