@@ -6,6 +6,12 @@ CTJ_CHECKPOINT_URI. It trains an FSDP2-sharded MLP on a synthetic regression
 task on CPU (gloo), saves every CTJ_SAVE_EVERY steps, and on start loads the
 latest committed checkpoint, resharded to the current world size.
 
+Its data comes from a GlobalSampler over a fixed synthetic dataset: a global
+batch of CTJ_GLOBAL_BATCH samples a step (default 192, divisible by world sizes
+1 to 4), each rank training on its share. The sampler's position is a global
+sample index saved in ``extra`` next to the step, so a resume at another world
+size trains on exactly the samples after the checkpoint.
+
 The ctj part is a few lines: build a Checkpointer, load, save. A save returns
 once the state is staged; the upload and commit happen in the background (a
 thread here, the sidecar container in a pod) while training goes on.
@@ -18,15 +24,17 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from trainer_sidecar import CheckpointConfig, Checkpointer
+from trainer_sidecar import CheckpointConfig, Checkpointer, GlobalSampler
 
 DIM = 64
+DATASET_LEN = 4096  # 21 global batches of 192 an epoch: a 60-step run spans 3 epochs
 
 
 def log(event: str, **fields: object) -> None:
@@ -49,16 +57,19 @@ def build_model(world_size: int) -> torch.nn.Module:
     return model
 
 
-def batch(step: int, rank: int, size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """The data loader: a deterministic batch per (step, rank), so position = step."""
-    g = torch.Generator().manual_seed(step * 1000 + rank)
-    x = torch.randn(size, DIM, generator=g)
+def samples(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``size`` deterministic (input, target) pairs of the regression task."""
+    x = torch.randn(size, DIM, generator=torch.Generator().manual_seed(seed))
     return x, torch.sin(x[:, :8].sum(dim=1, keepdim=True))
+
+
+DATASET = samples(0, DATASET_LEN)  # the training set: the same on every rank and attempt
+EVAL = samples(10**9, 256)
 
 
 def eval_loss(model: torch.nn.Module) -> float:
     with torch.no_grad():
-        x, y = batch(10**6, 0, 256)
+        x, y = EVAL
         return float(torch.nn.functional.mse_loss(model(x), y))
 
 
@@ -68,14 +79,17 @@ def main() -> None:
     total_steps = int(os.environ.get("CTJ_TOTAL_STEPS", "60"))
     save_every = int(os.environ.get("CTJ_SAVE_EVERY", "10"))
     step_delay = float(os.environ.get("CTJ_STEP_DELAY_S", "0"))
+    global_batch = int(os.environ.get("CTJ_GLOBAL_BATCH", "192"))
 
     model = build_model(world)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sampler = GlobalSampler(DATASET_LEN, global_batch, rank=dist.get_rank(), world_size=world)
     ckpt = Checkpointer(CheckpointConfig.from_env())
-    extra = {"step": 0}
+    extra: dict[str, Any] = {"step": 0, "sampler": sampler.state_dict()}
     restored = ckpt.load(model=model, optimizer=opt, extra=extra)
     start = extra["step"] if restored else 0
     if restored:
+        sampler.load_state_dict(extra["sampler"])  # refuses another seed, batch or dataset
         log("restored", step=restored.step, world_size=world, seconds=round(restored.seconds, 3),
             bytes_fetched=restored.bytes_fetched, eval_loss=eval_loss(model))
     else:
@@ -83,14 +97,18 @@ def main() -> None:
 
     pending: list = []  # saves staged, not yet seen committed
     for step in range(start + 1, total_steps + 1):
-        x, y = batch(step, dist.get_rank())
+        indices = sampler.local_batch(sampler.step)  # this rank's share of global step `step`
+        x, y = DATASET[0][indices], DATASET[1][indices]
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        log("step", step=step, loss=round(float(loss), 5), world_size=world)
+        sampler.advance()  # the step is done: its samples count as consumed
+        log("step", step=step, loss=round(float(loss), 5), world_size=world,
+            samples=sampler.position)
         if step % save_every == 0:
-            pending.append(ckpt.save(step, model=model, optimizer=opt, extra={"step": step}))
+            state = {"step": step, "sampler": sampler.state_dict()}
+            pending.append(ckpt.save(step, model=model, optimizer=opt, extra=state))
             log("staged", step=step, eval_loss=eval_loss(model),
                 stall_seconds=round(pending[-1].stage_seconds, 4))
         while pending and pending[0].done():
