@@ -3,15 +3,20 @@
 kopf's watch timeouts are set here: a watch the server silently stops feeding
 is kopf's best-known failure, so every watch is ended by the server after
 ``--watch-timeout`` seconds and re-opened, and a client-side timeout backs it up.
+
+Leader election (leader.py) comes first: a standby replica answers its liveness probe
+and waits for the Lease before kopf starts; a leader that cannot renew exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http.server
 import logging
 import os
 import sys
+import threading
 from typing import Any
 
 import kopf
@@ -19,6 +24,9 @@ from kubernetes import client, config
 
 from . import handlers  # noqa: F401 - registers the handlers
 from .handlers import METRICS, Cluster
+from .leader import ElectionConfig, LeaderElection
+
+log = logging.getLogger("ctj.operator")
 
 
 def _api_client(kubeconfig: str | None) -> client.ApiClient:
@@ -45,11 +53,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--watch-timeout", type=float, default=60.0)
     parser.add_argument("--liveness-port", type=int, default=8081)
+    parser.add_argument(
+        "--leader-election-namespace",
+        default=os.environ.get("POD_NAMESPACE", "default"),
+        help="where the leader Lease lives (default: POD_NAMESPACE, else default)",
+    )
+    parser.add_argument("--leader-election-name", default="ctj-operator")
+    parser.add_argument(
+        "--no-leader-election", action="store_true", help="act at once (a single replica)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    Cluster.connect(_api_client(args.kubeconfig), sidecar_image=args.sidecar_image)
+    api = _api_client(args.kubeconfig)
+    Cluster.connect(api, sidecar_image=args.sidecar_image)
+    if _has_pytorchjobs(api):
+        kopf.index("kubeflow.org", "v1", "pytorchjobs", labels={handlers.LABEL_JOB: kopf.PRESENT})(
+            handlers.ctj_pytorchjobs
+        )
+        Cluster.pytorchjob_index = True
+    if not args.no_leader_election:
+        leader = LeaderElection(
+            client.CoordinationV1Api(api),
+            ElectionConfig(
+                namespace=args.leader_election_namespace, name=args.leader_election_name
+            ),
+        )
+        with _standby_liveness(args.liveness_port):
+            leader.acquire()
+        Cluster.leader = leader
+        leader.keep(on_lost=lambda: os._exit(1))  # client-go's way: never act unsure
 
     @kopf.on.startup()
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -81,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     from prometheus_client import start_http_server
 
     start_http_server(args.metrics_port, registry=METRICS.registry)
+    if Cluster.leader is not None:
+        stop_leader = Cluster.leader.release
+
+        @kopf.on.cleanup()
+        def release(**_: Any) -> None:
+            stop_leader()
+
     namespaces = args.namespace or []
     asyncio.run(
         kopf.operator(
@@ -91,6 +132,40 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     return 0
+
+
+def _has_pytorchjobs(api: client.ApiClient) -> bool:
+    """Whether kubeflow.org/v1 serves pytorchjobs (then kopf watches them; else the
+    pytorchjob backend reads its PyTorchJob with one GET per reconcile)."""
+    try:
+        resources = client.CustomObjectsApi(api).get_api_resources("kubeflow.org", "v1")
+    except client.exceptions.ApiException:
+        return False
+    return any(r.name == "pytorchjobs" for r in resources.resources)
+
+
+class _Alive(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"standby\n")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class _standby_liveness:  # noqa: N801 - used as a context manager
+    """/healthz while waiting for the Lease: a standby is alive, only not leading."""
+
+    def __init__(self, port: int) -> None:
+        self.server = http.server.ThreadingHTTPServer(("0.0.0.0", port), _Alive)
+
+    def __enter__(self) -> None:
+        threading.Thread(target=self.server.serve_forever, name="standby", daemon=True).start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ MASTER_PORT = 29500
 METRICS_PORT = 9400
 STAGING_PATH = "/ctj/staging"
 DEFAULT_SIDECAR_IMAGE = "ctj-trainer:latest"
+ANNOTATION_LAST_CHECKPOINT = f"{GROUP}/last-checkpoint"  # rank 0's sidecar writes it
+ANNOTATION_CHECKPOINT_REQUEST = f"{GROUP}/checkpoint-request"  # the operator writes it
 
 
 def master_port(attempt: int) -> int:
@@ -94,6 +96,19 @@ def _merge_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
     container["env"] = [e for e in container.get("env") or [] if e["name"] not in ours] + env
 
 
+def _heartbeat_env(spec: JobSpec, lease: str, node_rank: int) -> list[dict[str, Any]]:
+    """The sidecar renews the Lease named like its pod (see build_leases)."""
+    return [
+        {"name": "CTJ_HEARTBEAT_LEASE", "value": lease},
+        {
+            "name": "CTJ_POD_NAMESPACE",
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+        },
+        {"name": "CTJ_HEARTBEAT_PERIOD_S", "value": f"{spec.detection.heartbeat_period_seconds:g}"},
+        {"name": "NODE_RANK", "value": str(node_rank)},
+    ]
+
+
 def _sidecar(spec: JobSpec, uri: str) -> dict[str, Any]:
     sidecar: dict[str, Any] = {
         "name": "ctj-sidecar",
@@ -163,6 +178,8 @@ def build_pod(
         "CTJ_ATTEMPT": str(attempt),
     }
     pod_spec = _trainer_pod_spec(spec, uri, [{"name": k, "value": v} for k, v in torch_env.items()])
+    sidecar = pod_spec["initContainers"][-1]
+    sidecar["env"] += _heartbeat_env(spec, name, node_rank)
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = job
     # one node rank per node: losing a node loses one rank, not several
@@ -194,6 +211,91 @@ def build_pod(
             "ownerReferences": [owner_reference(body)],
         },
         "spec": pod_spec,
+    }
+
+
+def heartbeat_labels(job: str, attempt: int, node_rank: int) -> dict[str, str]:
+    return {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt), LABEL_RANK: str(node_rank)}
+
+
+def build_leases(
+    body: dict[str, Any], spec: JobSpec, *, attempt: int, world_size: int
+) -> list[dict[str, Any]]:
+    """One heartbeat Lease per rank pod, named like the pod, made before it: its sidecar
+    only renews it (get, patch), so the Role can name exactly these objects."""
+    job = body["metadata"]["name"]
+    return [
+        {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": pod_name(job, attempt, rank),
+                "labels": heartbeat_labels(job, attempt, rank),
+                "ownerReferences": [owner_reference(body)],
+            },
+            "spec": {
+                "holderIdentity": pod_name(job, attempt, rank),
+                "leaseDurationSeconds": max(1, round(spec.detection.heartbeat_timeout_seconds)),
+            },
+        }
+        for rank in range(world_size)
+    ]
+
+
+def heartbeat_role_name(job: str) -> str:
+    return f"{job}-ctj-heartbeat"
+
+
+def service_account(spec: JobSpec) -> str:
+    pod_spec = spec.template.get("spec") or {}
+    return str(pod_spec.get("serviceAccountName") or pod_spec.get("serviceAccount") or "default")
+
+
+def build_heartbeat_role(body: dict[str, Any], *, attempt: int, world_size: int) -> dict[str, Any]:
+    """get and patch on this attempt's Leases, by name: a pod can renew its gang's Leases
+    and nothing else (no Secrets, no create, no other job's Leases)."""
+    job = body["metadata"]["name"]
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {
+            "name": heartbeat_role_name(job),
+            "labels": {LABEL_JOB: job},
+            "ownerReferences": [owner_reference(body)],
+        },
+        "rules": [
+            {
+                "apiGroups": ["coordination.k8s.io"],
+                "resources": ["leases"],
+                "resourceNames": [pod_name(job, attempt, r) for r in range(world_size)],
+                "verbs": ["get", "patch"],
+            }
+        ],
+    }
+
+
+def build_heartbeat_binding(body: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
+    job = body["metadata"]["name"]
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {
+            "name": heartbeat_role_name(job),
+            "labels": {LABEL_JOB: job},
+            "ownerReferences": [owner_reference(body)],
+        },
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": heartbeat_role_name(job),
+        },
+        "subjects": [
+            {
+                "kind": "ServiceAccount",
+                "name": service_account(spec),
+                "namespace": body["metadata"]["namespace"],
+            }
+        ],
     }
 
 

@@ -421,7 +421,14 @@ def fitting_nodes(
     """Which ``nodes`` one pod of ``pod_spec`` fits, given every pod in the cluster
     (``pods``: what they request is taken from the nodes' allocatable). The pods of
     ``exclude_pods_of=(namespace, job)`` are not counted: a new attempt replaces them."""
-    used = used_by_pods(pods, exclude_pods_of=exclude_pods_of)
+    return fitting_nodes_with(pod_spec, nodes, used_by_pods(pods, exclude_pods_of=exclude_pods_of))
+
+
+def fitting_nodes_with(
+    pod_spec: Obj, nodes: Iterable[Obj], used: Mapping[str, Resources]
+) -> Capacity:
+    """``fitting_nodes`` given what is already requested on each node (the operator keeps
+    these sums in a watch index instead of a list of every pod)."""
     requests = pod_requests(pod_spec)
     fits: list[str] = []
     rejected: dict[str, str] = {}

@@ -1,35 +1,68 @@
-"""Pure decisions of the operator: how many nodes, when to restart, grow, succeed or fail.
+"""Pure decisions of the operator: every action a reconcile takes, decided in one place.
 
-``decide`` takes what the reconciler observed (the job's spec and status, its
-pods, the nodes) and returns one Decision. It does no I/O and reads no clock:
-``now`` is passed in. Every rule is table-tested in tests/unit/test_decisions.py.
+``decide`` takes one ``Observation`` (the job's spec and status as last read, its pods of
+every attempt, the nodes, where a rank fits, each rank's heartbeat, the clock) and returns
+a ``Plan``: the status writes, pod deletions, attempt creations, checkpoint requests and
+Events the handler applies in order, and nothing else. It does no I/O and reads no clock.
+Every rule is table-tested in tests/unit/test_decisions.py; docs/operator.md states them.
+
+Two rules guard against a lagging view of the cluster:
+- a pod of an attempt newer than the one read means the view is stale: the plan is empty;
+- every plan that creates or deletes begins with a status write, which the handler sends
+  with the resourceVersion it read, so a stale plan fails on its first write and acts on
+  nothing (deleting pods of attempts older than the one read is safe in any view).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import enum
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .spec import JobSpec
 
 MAX_BACKOFF_S = 300.0
+TERMINAL = ("Succeeded", "Failed")
+
+
+class Cause(enum.StrEnum):
+    """Why an attempt ended, which decides what it costs the job."""
+
+    CRASH = "crash"  # the job's own failure: counts against maxRestarts, backs off
+    NODE = "node"  # the cluster's: a node lost, a pod evicted or deleted, no room
+    PLANNED = "planned"  # a resize, a scale-up or a drain: checkpointed first, free
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class NodeView:
     name: str
     ready: bool
-    schedulable: bool  # not cordoned, no NoSchedule/NoExecute taint
+    cordoned: bool = False
+    alive_at: float | None = None  # when its kubelet's Lease was last seen renewed
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PodView:
     name: str
+    attempt: int
     node_rank: int
     phase: str  # Pending | Running | Succeeded | Failed | Unknown
     node_name: str | None
     terminating: bool = False
     reason: str | None = None  # e.g. Evicted
+    waiting: str = ""  # why it is not running yet (the scheduler's message)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transition:
+    """A planned end of the attempt: the job was asked to checkpoint and stop."""
+
+    reason: str
+    message: str
+    requested_at: float
+    request_id: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,152 +72,599 @@ class JobState:
     phase: str = "Pending"
     attempt: int = 0
     world_size: int = 0
-    restarts: int = 0
+    restarts: int = 0  # the job's own crashes (decayed after a healthy period)
+    node_restarts: int = 0  # attempts the cluster ended (lost nodes, evictions, no room)
     pods_created: bool = False  # every pod of the attempt was created (so a missing one died)
+    torn_down: bool = True  # the ended attempt's PyTorchJob and Leases were deleted
     not_before: float | None = None  # backoff: no new attempt before this time
-    capacity_since: float | None = None  # since when more nodes than world_size are usable
+    capacity_since: float | None = None  # since when more nodes than world_size fit
+    attempt_started: float | None = None
+    healthy_since: float | None = None  # every rank of this attempt running since
+    teardown_since: float | None = None
+    failure_seen_at: float | None = None
+    size_cap: int | None = None  # the next attempt's width after ranks could not schedule
+    suspect: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    transition: Transition | None = None
+    last_checkpoint: Mapping[str, Any] | None = None
+    storage: str | None = None  # the checkpoint location pinned at the first start
+    conditions: Sequence[Mapping[str, Any]] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Decision:
-    action: str  # none | wait | start | create_pods | restart | succeed | fail
-    world_size: int = 0
-    reason: str = ""
-    message: str = ""
-    counts_as_failure: bool = False
+class Observation:
+    spec: JobSpec
+    state: JobState
+    pods: Sequence[PodView]  # the job's pods, every attempt
+    nodes: Sequence[NodeView]
+    fits: Sequence[str]  # nodes where one rank fits (capacity.py), other jobs' pods counted
+    rejected: str = ""  # why the other nodes do not fit, one line
+    beats: Mapping[int, float | None] = dataclasses.field(default_factory=dict)
+    """Node rank of the current attempt -> seconds since its heartbeat last changed
+    (None: it has not beaten yet)."""
+    last_checkpoint: Mapping[str, Any] | None = None  # what rank 0's sidecar reports
+    uri: str = ""  # the checkpoint location a first start pins
+    now: float = 0.0
+
+
+# ---- the actions a plan is made of (handlers.py applies each) ----
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PatchStatus:
+    fields: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CreateAttempt:
+    """Its heartbeat Leases, the Service and the pods (or the PyTorchJob)."""
+
+    attempt: int
+    world_size: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeletePods:
+    names: tuple[str, ...]
+    force: bool = False  # grace 0: for pods whose kubelet is gone, or past the deadline
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeleteAttempt:
+    """The ended attempt's PyTorchJob (its pods go with it) and heartbeat Leases."""
+
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestCheckpoint:
+    attempt: int
+    world_size: int
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Emit:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Restarted:
+    """For the metrics: an attempt ended and the job restarts."""
+
+    reason: str
+    cause: Cause
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Recovered:
+    seconds: float
+
+
+Action = (
+    PatchStatus
+    | CreateAttempt
+    | DeletePods
+    | DeleteAttempt
+    | RequestCheckpoint
+    | Emit
+    | Restarted
+    | Recovered
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    actions: tuple[Action, ...] = ()
     requeue_after: float | None = None
-    capacity_since: float | None = None  # the new value to record
-    not_before: float | None = None  # restart: no new attempt before this time (backoff)
+    note: str = ""  # why nothing is done, for the log
+
+    def kinds(self) -> list[str]:
+        return [type(a).__name__ for a in self.actions]
+
+    def status(self) -> dict[str, Any]:
+        """Every status field the plan writes, merged (for tests and logs)."""
+        merged: dict[str, Any] = {}
+        for a in self.actions:
+            if isinstance(a, PatchStatus):
+                merged.update(a.fields)
+        return merged
 
 
-def usable_nodes(nodes: Sequence[NodeView]) -> int:
-    return sum(1 for n in nodes if n.ready and n.schedulable)
+# ---- rules ----
 
 
 def backoff(spec: JobSpec, restarts: int) -> float:
-    """Restart delay after the n-th failure: doubles from backoffSeconds, capped at 5 min."""
+    """Delay before the attempt after the n-th crash: doubles from backoffSeconds, capped."""
     return min(MAX_BACKOFF_S, spec.backoff_seconds * (2 ** min(restarts, 16)))
 
 
-def attempt_failure(
-    pods: Sequence[PodView], nodes: Sequence[NodeView], world_size: int
-) -> tuple[str, str] | None:
-    """Why the running attempt is over, as (reason, message); None while it is healthy."""
-    by_name = {n.name: n for n in nodes}
-    present = {p.node_rank for p in pods}
-    missing = sorted(set(range(world_size)) - present)
+def iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def conditions(
+    state: JobState, kind: str, reason: str, message: str, now: float, *, restarted: bool = False
+) -> list[dict[str, Any]]:
+    """The summary condition (type = phase), replaced on each transition, and ``Restarted``,
+    why the last attempt ended, which outlives the restart itself."""
+    summary = {
+        "type": kind,
+        "status": "True",
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": iso(now),
+    }
+    if restarted:
+        return [summary, {**summary, "type": "Restarted"}]
+    return [summary, *(dict(c) for c in state.conditions if c.get("type") == "Restarted")]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ending:
+    reason: str
+    message: str
+    cause: Cause
+    suspect: tuple[str, ...] = ()  # nodes not to trust until their kubelet is seen again
+    size_cap: int | None = None
+
+
+def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
+    """Why the running attempt is over; None while it is healthy (or only being drained)."""
+    spec, state, now = obs.spec, obs.state, obs.now
+    by_name = {n.name: n for n in obs.nodes}
+    present = {p.node_rank for p in current}
+    missing = sorted(set(range(state.world_size)) - present)
     if missing:
-        return "PodDeleted", f"pod of node rank {missing[0]} is gone"
-    for p in sorted(pods, key=lambda p: p.node_rank):
+        return Ending("PodDeleted", f"pod of node rank {missing[0]} is gone", Cause.NODE)
+    for p in sorted(current, key=lambda p: p.node_rank):
+        node = by_name.get(p.node_name) if p.node_name else None
         if p.phase == "Failed":
             if p.reason == "Evicted":
-                return "PodEvicted", f"pod {p.name} was evicted"
-            return "PodFailed", f"pod {p.name} failed" + (f" ({p.reason})" if p.reason else "")
-        if p.terminating and p.phase != "Succeeded":
-            return "PodDeleted", f"pod {p.name} is being deleted"
+                return Ending("PodEvicted", f"pod {p.name} was evicted", Cause.NODE)
+            if p.node_name and (node is None or not node.ready):
+                return Ending("NodeNotReady", f"pod {p.name} failed on lost node", Cause.NODE)
+            why = f" ({p.reason})" if p.reason else ""
+            return Ending("PodFailed", f"pod {p.name} failed{why}", Cause.CRASH)
+        if p.phase == "Succeeded":
+            continue
+        if p.terminating:
+            return Ending("PodDeleted", f"pod {p.name} is being deleted", Cause.NODE)
         if p.node_name is None:
             continue
-        node = by_name.get(p.node_name)
         if node is None:
-            return "NodeDeleted", f"node {p.node_name} of pod {p.name} was deleted"
-        if not node.ready and p.phase != "Succeeded":
-            return "NodeNotReady", f"node {p.node_name} of pod {p.name} is not ready"
-        if not node.schedulable and p.phase != "Succeeded":
-            return "NodeCordoned", f"node {p.node_name} of pod {p.name} was cordoned"
+            msg = f"node {p.node_name} of pod {p.name} was deleted"
+            return Ending("NodeDeleted", msg, Cause.NODE, (p.node_name,))
+        if not node.ready:
+            msg = f"node {p.node_name} of pod {p.name} is not ready"
+            return Ending("NodeNotReady", msg, Cause.NODE, (p.node_name,))
+    timeout = spec.detection.heartbeat_timeout_seconds
+    for p in sorted(current, key=lambda p: p.node_rank):
+        silent = obs.beats.get(p.node_rank)
+        if p.phase == "Running" and silent is not None and silent > timeout and p.node_name:
+            msg = (
+                f"rank {p.node_rank} (pod {p.name} on {p.node_name}) sent no heartbeat for "
+                f"{silent:.0f}s (failureDetection.heartbeatTimeoutSeconds={timeout:g})"
+            )
+            return Ending("HeartbeatLost", msg, Cause.NODE, (p.node_name,))
+    waiting = [p for p in current if p.phase not in ("Running", "Succeeded")]
+    started = state.attempt_started
+    limit = spec.detection.scheduling_timeout_seconds
+    if waiting and started is not None and now - started > limit:
+        scheduled = sum(1 for p in current if p.node_name)
+        first = min(waiting, key=lambda p: p.node_rank)
+        why = f": {first.waiting}" if first.waiting else ""
+        msg = (
+            f"{len(waiting)} of {state.world_size} ranks not running after {limit:g}s "
+            f"(failureDetection.schedulingTimeoutSeconds); pod {first.name}{why}"
+        )
+        cap = max(scheduled, spec.min_replicas)
+        return Ending("Unschedulable", msg, Cause.NODE, size_cap=cap)
     return None
 
 
-def lingering_pods(pods: Sequence[PodView], nodes: Sequence[NodeView]) -> list[PodView]:
-    """Pods of the ended attempt still on a live node: the new gang waits for them.
-
-    They hold the node's ports and accelerators, and their node is the only proof that
-    it is alive: a node lost a moment ago still reads Ready until its grace period ends,
-    and counting it would start the new attempt too wide. A pod on a NotReady or deleted
-    node never finishes terminating, so it does not hold the start back.
-    """
-    ready = {n.name for n in nodes if n.ready}
-    return [p for p in pods if p.node_name is not None and p.node_name in ready]
+def _older(obs: Observation) -> list[Action]:
+    """Pods of attempts before the one read: never outlive a restart (safe in any view)."""
+    names = tuple(p.name for p in obs.pods if p.attempt < obs.state.attempt and not p.terminating)
+    return [DeletePods(names)] if names else []
 
 
-def decide(
-    spec: JobSpec,
-    state: JobState,
-    pods: Sequence[PodView],
-    nodes: Sequence[NodeView],
-    now: float,
-) -> Decision:
-    if state.phase in ("Succeeded", "Failed"):
-        return Decision("none")
-    usable = usable_nodes(nodes)
-    target = min(spec.replicas, spec.max_replicas, usable)
+def _live_nodes(obs: Observation, suspect: Mapping[str, float]) -> set[str]:
+    return {n.name for n in obs.nodes if n.ready and n.name not in suspect}
 
-    # no live attempt: start one when allowed and there are enough nodes
+
+def _cleared_suspects(obs: Observation) -> dict[str, float]:
+    """A suspect node is trusted again once its kubelet is seen alive after the mark."""
+    alive = {n.name: n.alive_at for n in obs.nodes}
+    return {
+        name: mark
+        for name, mark in obs.state.suspect.items()
+        if name in alive and not ((alive[name] or 0.0) > mark)
+    }
+
+
+def target_size(obs: Observation, suspect: Mapping[str, float]) -> int:
+    fits = [n for n in obs.fits if n not in suspect]
+    cap = obs.state.size_cap if obs.state.size_cap is not None else obs.spec.max_replicas
+    return min(obs.spec.replicas, obs.spec.max_replicas, cap, len(fits))
+
+
+def decide(obs: Observation) -> Plan:
+    state = obs.state
+    if state.phase in TERMINAL:
+        return Plan(tuple(_older(obs)))
+    newer = [p for p in obs.pods if p.attempt > state.attempt]
+    if newer:
+        return Plan(
+            requeue_after=1.0,
+            note=f"stale view: pod {newer[0].name} is newer than attempt {state.attempt}",
+        )
+    actions = _older(obs)
+    current = [p for p in obs.pods if p.attempt == state.attempt]
     if state.attempt == 0 or state.phase == "Restarting":
-        if state.not_before is not None and now < state.not_before:
-            return Decision("wait", requeue_after=state.not_before - now)
-        lingering = lingering_pods(pods, nodes)
-        if lingering:
-            return Decision(
-                "wait",
-                reason="TearingDown",
-                message=f"{len(lingering)} pods of attempt {state.attempt} still terminating "
-                f"(first: {lingering[0].name})",
-                requeue_after=1.0,
+        return _between_attempts(obs, current, actions)
+    if not state.pods_created:  # the operator stopped while creating this attempt
+        return Plan(
+            (
+                *actions,
+                PatchStatus({}),  # sent with the resourceVersion read: fails if stale
+                CreateAttempt(state.attempt, state.world_size),
+                PatchStatus({"podsCreated": True}),
             )
-        if target < spec.min_replicas:
-            return Decision(
-                "wait",
-                reason="InsufficientNodes",
-                message=f"{usable} usable nodes; the job needs at least {spec.min_replicas}",
-                requeue_after=5.0,
-            )
-        return Decision(
-            "start",
-            world_size=target,
-            reason="Started",
-            message=f"attempt {state.attempt + 1} at world size {target}",
         )
-
-    if not state.pods_created:  # the operator stopped while creating this attempt's pods
-        return Decision("create_pods", world_size=state.world_size)
-
-    failure = attempt_failure(pods, nodes, state.world_size)
-    if failure is not None:
-        reason, message = failure
-        if state.restarts >= spec.max_restarts:
-            return Decision(
-                "fail",
-                reason="MaxRestartsExceeded",
-                message=f"{message}; giving up after {state.restarts} restarts "
-                f"(spec.restartPolicy.maxRestarts={spec.max_restarts})",
+    ending = attempt_over(obs, current)
+    if ending is not None:
+        return _end_attempt(obs, current, ending, actions)
+    if state.transition is not None:
+        return _transitioning(obs, current, actions)
+    if current and all(p.phase == "Succeeded" for p in current):
+        return Plan(
+            (
+                *actions,
+                PatchStatus(
+                    {
+                        "phase": "Succeeded",
+                        "conditions": conditions(
+                            state, "Succeeded", "Completed", "every rank exited 0", obs.now
+                        ),
+                    }
+                ),
+                Emit("Normal", "Succeeded", "every rank exited 0"),
             )
-        return Decision(
-            "restart",
-            reason=reason,
-            message=message,
-            counts_as_failure=True,
-            not_before=now + backoff(spec, state.restarts),
         )
+    return _running(obs, current, actions)
 
-    if pods and all(p.phase == "Succeeded" for p in pods):
-        return Decision("succeed", reason="Completed", message="every rank exited 0")
 
+def _running(obs: Observation, current: Sequence[PodView], actions: list[Action]) -> Plan:
+    spec, state, now = obs.spec, obs.state, obs.now
+    update: dict[str, Any] = {}
+    suspect = _cleared_suspects(obs)
+    if suspect != dict(state.suspect):
+        update["suspectNodes"] = suspect
+    all_running = len(current) >= state.world_size and all(p.phase == "Running" for p in current)
+    if all_running and state.healthy_since is None:
+        update["healthySince"] = now
+        if state.failure_seen_at is not None:
+            actions.append(Recovered(max(0.0, now - state.failure_seen_at)))
+            update["failureSeenAt"] = None
+    if obs.last_checkpoint and dict(obs.last_checkpoint) != dict(state.last_checkpoint or {}):
+        update["lastCheckpoint"] = dict(obs.last_checkpoint)
     if spec.replicas < state.world_size:
-        return Decision(
-            "restart",
-            reason="Resize",
-            message=f"spec.replicas {spec.replicas} < world size {state.world_size}",
-        )
+        reason, msg = "Resize", f"spec.replicas {spec.replicas} < world size {state.world_size}"
+        return _begin_transition(obs, reason, msg, actions, update)
+    ours = {p.node_name for p in current if p.node_name}
+    drained = sorted(n.name for n in obs.nodes if n.cordoned and n.name in ours)
+    if drained:
+        return _begin_transition(obs, "NodeDrained", f"node {drained[0]} cordoned", actions, update)
+    target = target_size(obs, suspect)
+    requeue = None
     if target > state.world_size and spec.scale_up:
         since = state.capacity_since if state.capacity_since is not None else now
         if now - since >= spec.stabilization_seconds:
-            return Decision(
-                "restart",
-                reason="ScaleUp",
-                message=f"{usable} usable nodes for {now - since:.0f}s: "
-                f"growing from {state.world_size} to {target}",
-            )
-        return Decision(
-            "wait", capacity_since=since, requeue_after=spec.stabilization_seconds - (now - since)
+            msg = f"{target} nodes fit for {now - since:.0f}s: growing from {state.world_size}"
+            return _begin_transition(obs, "ScaleUp", msg, actions, update)
+        if state.capacity_since is None:
+            update["capacitySince"] = since
+        requeue = spec.stabilization_seconds - (now - since)
+    elif state.capacity_since is not None:
+        update["capacitySince"] = None
+    if update:
+        actions.append(PatchStatus(update))
+    return Plan(tuple(actions), requeue_after=requeue)
+
+
+def _begin_transition(
+    obs: Observation, reason: str, message: str, actions: list[Action], update: dict[str, Any]
+) -> Plan:
+    """Ask every rank to checkpoint at its next step boundary and stop (zero lost steps);
+    the attempt ends when its pods have finished or the wait is over."""
+    state, now = obs.state, obs.now
+    if obs.spec.transition_timeout_seconds <= 0:
+        return _end_attempt(obs, [], Ending(reason, message, Cause.PLANNED), actions)
+    request = f"{state.attempt}-{reason}-{int(now)}"
+    update["transition"] = {
+        "reason": reason,
+        "message": message,
+        "requestedAt": now,
+        "requestId": request,
+    }
+    return Plan(
+        (
+            *actions,
+            PatchStatus(update),
+            RequestCheckpoint(state.attempt, state.world_size, request),
+            Emit("Normal", "CheckpointRequested", f"{message}: checkpointing before restart"),
+        ),
+        requeue_after=1.0,
+    )
+
+
+def _transitioning(obs: Observation, current: Sequence[PodView], actions: list[Action]) -> Plan:
+    state, now = obs.state, obs.now
+    assert state.transition is not None
+    t = state.transition
+    update: dict[str, Any] = {}
+    if obs.last_checkpoint and dict(obs.last_checkpoint) != dict(state.last_checkpoint or {}):
+        update["lastCheckpoint"] = dict(obs.last_checkpoint)
+    waited = now - t.requested_at
+    if current and all(p.phase == "Succeeded" for p in current):
+        ending = Ending(t.reason, f"{t.message}; checkpointed and stopped", Cause.PLANNED)
+        return _end_attempt(obs, current, ending, actions, update)
+    if waited > obs.spec.transition_timeout_seconds:
+        msg = (
+            f"{t.message}; no stop {waited:.0f}s after the checkpoint request "
+            "(transitions.checkpointTimeoutSeconds): steps since the last checkpoint are lost"
         )
-    return Decision("none", capacity_since=None)
+        return _end_attempt(obs, current, Ending(t.reason, msg, Cause.PLANNED), actions, update)
+    if update:
+        actions.append(PatchStatus(update))
+    return Plan(tuple(actions), requeue_after=1.0)
+
+
+def _end_attempt(
+    obs: Observation,
+    current: Sequence[PodView],
+    ending: Ending,
+    actions: list[Action],
+    update: dict[str, Any] | None = None,
+) -> Plan:
+    spec, state, now = obs.spec, obs.state, obs.now
+    update = dict(update or {})
+    restarts, node_restarts = state.restarts, state.node_restarts
+    not_before = None
+    if ending.cause is Cause.CRASH:
+        healthy = state.healthy_since is not None and now - state.healthy_since
+        if healthy and healthy >= spec.reset_after_seconds:
+            restarts = 0  # a long healthy run forgives earlier crashes
+        if restarts >= spec.max_restarts:
+            message = (
+                f"{ending.message}; giving up after {restarts} restarts "
+                f"(spec.restartPolicy.maxRestarts={spec.max_restarts})"
+            )
+            return Plan(
+                (
+                    *actions,
+                    PatchStatus(
+                        {
+                            **update,
+                            "phase": "Failed",
+                            "restarts": restarts,
+                            "conditions": conditions(
+                                state, "Failed", "MaxRestartsExceeded", message, now
+                            ),
+                        }
+                    ),
+                    *_teardown(obs, current),
+                    Emit("Warning", "MaxRestartsExceeded", message),
+                )
+            )
+        not_before = now + backoff(spec, restarts)
+        restarts += 1
+    elif ending.cause is Cause.NODE:
+        node_restarts += 1
+    suspect = dict(state.suspect)
+    for node in ending.suspect:
+        suspect.setdefault(node, now)
+    failure_seen = state.failure_seen_at
+    if failure_seen is None and ending.cause is not Cause.PLANNED:
+        failure_seen = now
+    update.update(
+        {
+            "phase": "Restarting",
+            "restarts": restarts,
+            "nodeRestarts": node_restarts,
+            "notBefore": not_before,
+            "failureSeenAt": failure_seen,
+            "podsCreated": False,
+            "tornDown": False,
+            "teardownSince": now,
+            "healthySince": None,
+            "transition": None,
+            "suspectNodes": suspect,
+            "sizeCap": ending.size_cap,
+            "conditions": conditions(
+                state, "Restarting", ending.reason, ending.message, now, restarted=True
+            ),
+        }
+    )
+    kind = "Normal" if ending.cause is Cause.PLANNED else "Warning"
+    return Plan(
+        (
+            *actions,
+            PatchStatus(update),
+            Emit(kind, ending.reason, f"restarting: {ending.message}"),
+            Restarted(ending.reason, ending.cause),
+            *_teardown(obs, current, suspect),
+            PatchStatus({"tornDown": True}),
+        ),
+        requeue_after=1.0,
+    )
+
+
+def _teardown(
+    obs: Observation, current: Sequence[PodView], suspect: Mapping[str, float] | None = None
+) -> list[Action]:
+    """Delete the attempt: gracefully where a kubelet can stop the pod, by force where none
+    can (its node is gone, NotReady or suspect); a force-deleted straggler cannot harm the
+    next attempt (a fresh rendezvous port, and saves fenced by attempt)."""
+    live = _live_nodes(obs, obs.state.suspect if suspect is None else suspect)
+    graceful = tuple(
+        p.name
+        for p in current
+        if not p.terminating and (p.node_name is None or p.node_name in live)
+    )
+    forced = tuple(p.name for p in current if p.node_name is not None and p.node_name not in live)
+    actions: list[Action] = [DeleteAttempt(obs.state.attempt)]
+    if graceful:
+        actions.append(DeletePods(graceful))
+    if forced:
+        actions.append(DeletePods(forced, force=True))
+    return actions
+
+
+def _between_attempts(obs: Observation, current: Sequence[PodView], actions: list[Action]) -> Plan:
+    spec, state, now = obs.spec, obs.state, obs.now
+    update: dict[str, Any] = {}
+    suspect = _cleared_suspects(obs)
+    if suspect != dict(state.suspect):
+        update["suspectNodes"] = suspect
+    if state.attempt and not state.torn_down:  # the operator stopped mid-teardown
+        actions += [PatchStatus(update), *_teardown(obs, current, suspect)]
+        actions.append(PatchStatus({"tornDown": True}))
+        return Plan(tuple(actions), requeue_after=1.0)
+    if update:
+        actions.append(PatchStatus(update))
+    live = _live_nodes(obs, suspect)
+    undeleted = tuple(p.name for p in current if not p.terminating)
+    if undeleted:  # e.g. created just before a rejected one
+        actions.append(DeletePods(undeleted))
+    lingering = list(current)
+    if lingering:
+        since = state.teardown_since if state.teardown_since is not None else now
+        deadline = since + spec.detection.teardown_deadline_seconds
+        force = tuple(
+            p.name
+            for p in lingering
+            if p.node_name is not None and (p.node_name not in live or now >= deadline)
+        )
+        if force:
+            actions.append(DeletePods(force, force=True))
+        return Plan(
+            tuple(actions),
+            requeue_after=1.0,
+            note=f"{len(lingering)} pods of attempt {state.attempt} still terminating "
+            f"(first: {lingering[0].name})",
+        )
+    if state.not_before is not None and now < state.not_before:
+        return Plan(tuple(actions), requeue_after=state.not_before - now, note="backoff")
+    target = target_size(obs, suspect)
+    if target < spec.min_replicas:
+        fits = len([n for n in obs.fits if n not in suspect])
+        message = f"{fits} nodes can run a rank; the job needs at least {spec.min_replicas}"
+        if obs.rejected:
+            message += f" ({obs.rejected})"
+        first = state.conditions[0] if state.conditions else {}
+        if first.get("reason") != "InsufficientNodes" or first.get("message") != message:
+            actions.append(
+                PatchStatus(
+                    {
+                        "phase": state.phase if state.attempt else "Pending",
+                        "conditions": conditions(
+                            state, "Waiting", "InsufficientNodes", message, now
+                        ),
+                    }
+                )
+            )
+            actions.append(Emit("Warning", "InsufficientNodes", message))
+        return Plan(tuple(actions), requeue_after=5.0, note="insufficient nodes")
+    attempt = state.attempt + 1
+    message = f"attempt {attempt} at world size {target}"
+    start: dict[str, Any] = {
+        **update,
+        "phase": "Running",
+        "attempt": attempt,
+        "worldSize": target,
+        "podsCreated": False,
+        "notBefore": None,
+        "capacitySince": None,
+        "attemptStarted": now,
+        "healthySince": None,
+        "teardownSince": None,
+        "sizeCap": None,
+        "transition": None,
+        "conditions": conditions(state, "Running", "Started", message, now),
+    }
+    if state.storage is None:
+        start["storage"] = {"uri": obs.uri}
+    return Plan(
+        (
+            *[a for a in actions if not isinstance(a, PatchStatus)],
+            PatchStatus(start),
+            Emit("Normal", "AttemptStarted", message),
+            CreateAttempt(attempt, target),
+            PatchStatus({"podsCreated": True}),
+        )
+    )
+
+
+def pod_rejected(obs: Observation, attempt: int, world_size: int, message: str) -> Plan:
+    """The API refused a pod of the attempt just started (422, quota, admission): the
+    attempt fails with the API's reason, counted and backed off like a crash, never a
+    silent retry; at maxRestarts the job fails with it."""
+    state = dataclasses.replace(
+        obs.state, phase="Running", attempt=attempt, world_size=world_size, healthy_since=None
+    )
+    ending = Ending("PodRejected", f"the API rejected a pod: {message}", Cause.CRASH)
+    return _end_attempt(dataclasses.replace(obs, state=state), [], ending, [])
+
+
+def job_state(status: Mapping[str, Any]) -> JobState:
+    """The decisions' view of .status (absent fields take their defaults)."""
+    t = status.get("transition")
+    storage = status.get("storage") or {}
+    return JobState(
+        phase=status.get("phase") or "Pending",
+        attempt=int(status.get("attempt") or 0),
+        world_size=int(status.get("worldSize") or 0),
+        restarts=int(status.get("restarts") or 0),
+        node_restarts=int(status.get("nodeRestarts") or 0),
+        pods_created=bool(status.get("podsCreated")),
+        torn_down=status.get("tornDown") is not False,
+        not_before=status.get("notBefore"),
+        capacity_since=status.get("capacitySince"),
+        attempt_started=status.get("attemptStarted"),
+        healthy_since=status.get("healthySince"),
+        teardown_since=status.get("teardownSince"),
+        failure_seen_at=status.get("failureSeenAt"),
+        size_cap=status.get("sizeCap"),
+        suspect=dict(status.get("suspectNodes") or {}),
+        transition=Transition(
+            t["reason"], t.get("message", ""), float(t["requestedAt"]), t["requestId"]
+        )
+        if t
+        else None,
+        last_checkpoint=status.get("lastCheckpoint"),
+        storage=storage.get("uri"),
+        conditions=tuple(status.get("conditions") or ()),
+    )

@@ -1,31 +1,70 @@
-"""kopf handlers: observe, decide (decisions.py), apply, write status. Nothing else.
+"""kopf handlers: watch into indexes, decide (decisions.py), apply the plan. Nothing else.
 
-One level-triggered reconcile per job runs every second (a kopf timer): it reads
-the job's pods and the nodes, asks ``decide`` what to do, and applies it. Every
-step is idempotent and the status is written *before* the objects it
-describes are created, so an operator killed at any moment converges on
-restart: a half-created attempt is completed, never duplicated (pod names are
-deterministic), and pods of older attempts are always removed.
+Pods, nodes and Leases reach the operator through kopf indexes (one watch per kind, for
+all jobs), so the reconcile of a job, a 1 s kopf timer, reads memory: at steady state it
+sends no request at all. It observes, asks ``decide`` for a Plan, and applies its actions
+in order. The first status write of a plan carries the resourceVersion the plan was made
+from: if the job changed meanwhile (this process's view lagged), the write is a 409 and
+nothing of the plan is applied; the next tick decides again from the newer view.
+
+Every action is idempotent and status is written before the objects it describes are
+created, so an operator killed at any moment converges on restart. Only the leader acts.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import kopf
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from . import builders
-from .decisions import Decision, JobState, PodView, decide
+from . import builders, capacity
+from .builders import ANNOTATION_CHECKPOINT_REQUEST, LABEL_JOB
+from .decisions import (
+    TERMINAL,
+    CreateAttempt,
+    DeleteAttempt,
+    DeletePods,
+    Emit,
+    JobState,
+    Observation,
+    PatchStatus,
+    Plan,
+    PodView,
+    Recovered,
+    RequestCheckpoint,
+    Restarted,
+    conditions,
+    decide,
+    job_state,
+    pod_rejected,
+)
+from .leader import LeaderElection
 from .metrics import OperatorMetrics
-from .observe import CheckpointWatcher, attempt_of, job_pods, job_state, node_views, pod_view
+from .observe import (
+    Freshness,
+    lease_summary,
+    node_summary,
+    node_view,
+    pod_summary,
+    pod_view,
+)
 from .spec import GROUP, PLURAL, VERSION, JobSpec, SpecError, job_checkpoint_uri
 
 log = logging.getLogger("ctj.operator")
 METRICS = OperatorMetrics()
+BEATS = Freshness()  # (namespace, lease) -> a rank's heartbeat
+KUBELETS = Freshness()  # node -> its kubelet's Lease in kube-node-lease
+_WRITTEN: dict[str, str] = {}  # job uid -> resourceVersion of our last status write
+
+
+class StaleView(Exception):
+    """A status write was refused (409): the plan was made from an outdated job."""
 
 
 class Cluster:
@@ -33,8 +72,11 @@ class Cluster:
 
     core: client.CoreV1Api
     custom: client.CustomObjectsApi
-    checkpoints: CheckpointWatcher
+    coordination: client.CoordinationV1Api
+    rbac: client.RbacAuthorizationV1Api
     sidecar_image: str = builders.DEFAULT_SIDECAR_IMAGE  # for specs that name none
+    leader: LeaderElection | None = None
+    pytorchjob_index = False  # the PyTorchJob CRD exists and is watched
 
     @classmethod
     def connect(cls, api: client.ApiClient, *, sidecar_image: str | None = None) -> None:
@@ -42,42 +84,284 @@ class Cluster:
             cls.sidecar_image = sidecar_image
         cls.core = client.CoreV1Api(api)
         cls.custom = client.CustomObjectsApi(api)
-        cls.checkpoints = CheckpointWatcher(cls.core)
+        cls.coordination = client.CoordinationV1Api(api)
+        cls.rbac = client.RbacAuthorizationV1Api(api)
 
 
-def _event(type_: str, body: dict[str, Any], *, reason: str, message: str) -> None:
-    """A Kubernetes Event on the job (kopf takes its plain body dict as it is)."""
+# ---- indexes: what the watches deliver, kept by kopf in memory ----
+
+
+@kopf.index("pods", labels={LABEL_JOB: kopf.PRESENT})
+def ctj_pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
+    return {(namespace, labels[LABEL_JOB]): pod_summary(body)}
+
+
+@kopf.index("pods")
+def node_usage(
+    namespace: str | None, labels: Mapping[str, str], spec: kopf.Spec, status: kopf.Status, **_: Any
+) -> Any:
+    """What every non-terminal pod bound to a node requests (the node's room taken)."""
+    node = spec.get("nodeName")
+    if not node or status.get("phase") in TERMINAL:
+        return None
+    job = (namespace, labels.get(LABEL_JOB)) if labels.get(LABEL_JOB) else None
+    return {node: (job, capacity.pod_requests(dict(spec)))}
+
+
+@kopf.index("nodes")
+def cluster_nodes(name: str, body: kopf.Body, **_: Any) -> Any:
+    return {name: node_summary(body)}
+
+
+@kopf.index("coordination.k8s.io", "v1", "leases", labels={LABEL_JOB: kopf.PRESENT})
+def ctj_leases(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
+    summary = lease_summary(body)
+    BEATS.see((namespace, summary["name"]), summary["renew"])
+    return {(namespace, labels[LABEL_JOB]): summary}
+
+
+def _is_node_lease(namespace: str | None, **_: Any) -> bool:
+    return namespace == "kube-node-lease"
+
+
+@kopf.index("coordination.k8s.io", "v1", "leases", when=_is_node_lease)
+def kubelet_leases(name: str, spec: kopf.Spec, **_: Any) -> Any:
+    KUBELETS.see(name, spec.get("renewTime"))
+    return {name: spec.get("renewTime")}
+
+
+def ctj_pytorchjobs(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> Any:
+    """Registered by __main__ only where the PyTorchJob CRD exists."""
+    attempt = int(labels.get(builders.LABEL_ATTEMPT, "0"))
+    return {(namespace, labels[LABEL_JOB]): (attempt, builders.pytorchjob_phase(dict(body)))}
+
+
+# ---- the reconcile ----
+
+
+def _event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
     kopf.event(cast(kopf.Body, body), type=type_, reason=reason, message=message)
 
 
-def _now_iso() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+def _values(index: Any, key: Any) -> list[Any]:
+    return list(index.get(key, ())) if index is not None else []
 
 
-def _patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
-    Cluster.custom.patch_namespaced_custom_object_status(
-        GROUP, VERSION, namespace, PLURAL, name, {"status": status}
+def _stale(uid: str, rv: str) -> bool:
+    """The body is older than our own last write: wait for the watch to catch up."""
+    written = _WRITTEN.get(uid)
+    try:
+        return written is not None and int(rv) < int(written)
+    except ValueError:  # resourceVersions are opaque; etcd's are integers
+        return False
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=1.0, initial_delay=0.0)
+def reconcile(body: kopf.Body, name: str, namespace: str | None, uid: str, **indexes: Any) -> None:
+    """``indexes``: kopf passes each index by its function's name (ctj_pods, node_usage,
+    cluster_nodes, ctj_leases, and ctj_pytorchjobs where registered)."""
+    assert namespace is not None  # the CRD is namespaced
+    if Cluster.leader is not None and not Cluster.leader.is_leader():
+        return
+    raw = dict(body)
+    status = dict(body.get("status") or {})
+    state = job_state(status)
+    if _stale(uid, str(body.metadata.get("resourceVersion"))):
+        return
+    try:
+        spec = JobSpec.parse(dict(body.get("spec") or {}), sidecar_image=Cluster.sidecar_image)
+    except SpecError as exc:
+        if status.get("phase") != "Failed":
+            plan = Plan(
+                (
+                    PatchStatus(
+                        {
+                            "phase": "Failed",
+                            "conditions": conditions(
+                                state, "Failed", "InvalidSpec", str(exc), time.time()
+                            ),
+                        }
+                    ),
+                    Emit("Warning", "InvalidSpec", str(exc)),
+                )
+            )
+            _apply(raw, None, plan, uri="")
+        return
+    key = (namespace, name)
+    uri = state.storage or job_checkpoint_uri(spec, namespace, name, uid)
+    pods = [pod_view(s) for s in _values(indexes["ctj_pods"], key)]
+    if spec.backend == "pytorchjob" and state.attempt and state.pods_created:
+        pods = _pytorchjob_views(name, namespace, state, indexes.get("ctj_pytorchjobs"))
+    nodes = [s for store in indexes["cluster_nodes"].values() for s in store]
+    leases = _values(indexes["ctj_leases"], key)
+    obs = Observation(
+        spec=spec,
+        state=state,
+        pods=pods,
+        nodes=[node_view(n, KUBELETS.changed_at(n["metadata"]["name"])) for n in nodes],
+        beats={
+            s["rank"]: BEATS.silent_for((namespace, s["name"]))
+            for s in leases
+            if s["attempt"] == state.attempt
+        },
+        last_checkpoint=_last_checkpoint(leases),
+        uri=uri,
+        now=time.time(),
+        **_capacity(raw, spec, uri, nodes, indexes["node_usage"], key),
     )
+    plan = decide(obs)
+    if (
+        plan.actions
+        and plan.kinds() != ["PatchStatus"]
+        or any(isinstance(a, Emit) for a in plan.actions)
+    ):
+        log.info("%s/%s attempt %d: %s", namespace, name, state.attempt, ", ".join(plan.kinds()))
+    elif plan.note:
+        log.debug("%s/%s: %s", namespace, name, plan.note)
+    try:
+        _apply(raw, spec, plan, uri=uri, obs=obs)
+    except StaleView:
+        log.info("%s/%s: the job changed since it was read; deciding again", namespace, name)
 
 
-def _condition(
-    body: dict[str, Any], kind: str, reason: str, message: str, *, restarted: bool = False
-) -> list[dict[str, Any]]:
-    """The job's conditions: the summary one (type = phase), replaced on each transition,
-    and ``Restarted``, why the last attempt ended, which outlives the restart itself."""
-    summary = {
-        "type": kind,
-        "status": "True",
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": _now_iso(),
-    }
-    if restarted:
-        return [summary, {**summary, "type": "Restarted"}]
-    kept = [
-        c for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == "Restarted"
+def _capacity(
+    body: dict[str, Any],
+    spec: JobSpec,
+    uri: str,
+    nodes: list[dict[str, Any]],
+    usage: kopf.Index[Any, Any],
+    key: tuple[str, str],
+) -> dict[str, Any]:
+    """Where one rank of this job fits, counting every other pod's requests."""
+    pod = builders.build_pod(body, spec, uri=uri, attempt=1, world_size=1, node_rank=0)
+    used: dict[str, dict[str, int]] = {}
+    for node, store in usage.items():
+        on_node = used.setdefault(node, {})
+        for job, requests in store:
+            if job != key:  # this job's pods are what a new attempt replaces
+                for resource, amount in requests.items():
+                    on_node[resource] = on_node.get(resource, 0) + amount
+    fit = capacity.fitting_nodes_with(pod["spec"], nodes, used)
+    return {"fits": fit.fits, "rejected": capacity.summarize_rejections(fit.rejected)}
+
+
+def _last_checkpoint(leases: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The newest checkpoint rank 0's sidecar reported, over the attempts still leased."""
+    best: dict[str, Any] | None = None
+    for lease in leases:
+        if lease["rank"] != 0 or not lease["checkpoint"]:
+            continue
+        try:
+            found = json.loads(lease["checkpoint"])
+            step = int(found["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if best is None or step > int(best["step"]):
+            best = {"step": step, "time": str(found.get("time", "")), "bytes": found.get("bytes")}
+    return best
+
+
+def _pytorchjob_views(
+    name: str, namespace: str, state: JobState, index: kopf.Index[Any, Any] | None
+) -> list[PodView]:
+    """The attempt's PyTorchJob, read back as one view per node rank."""
+    phase = None
+    if index is not None:
+        for attempt, found in index.get((namespace, name), ()):
+            if attempt == state.attempt:
+                phase = found
+    else:  # the CRD appeared after start-up: read it (one GET per tick for this backend)
+        try:
+            job = Cluster.custom.get_namespaced_custom_object(
+                "kubeflow.org", "v1", namespace, "pytorchjobs", f"{name}-a{state.attempt}"
+            )
+            phase = builders.pytorchjob_phase(job)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+    if phase is None:
+        return []  # deleted: the attempt is over
+    return [
+        PodView(f"{name}-a{state.attempt}", state.attempt, rank, phase, None, reason="PyTorchJob")
+        for rank in range(state.world_size)
     ]
-    return [summary, *kept]
+
+
+# ---- applying a plan ----
+
+
+def _apply(
+    body: dict[str, Any],
+    spec: JobSpec | None,
+    plan: Plan,
+    *,
+    uri: str,
+    obs: Observation | None = None,
+) -> None:
+    meta = body["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    rv = str(meta.get("resourceVersion"))
+    for action in plan.actions:
+        if isinstance(action, PatchStatus):
+            rv = _patch_status(namespace, name, uid, dict(action.fields), rv)
+            phase = action.fields.get("phase")
+            if phase:
+                METRICS.job_phase(namespace, name, phase)
+            if action.fields.get("worldSize"):
+                METRICS.world_size.labels(namespace=namespace, job_name=name).set(
+                    action.fields["worldSize"]
+                )
+        elif isinstance(action, CreateAttempt):
+            assert spec is not None and obs is not None
+            try:
+                _create_attempt(body, spec, uri, action.attempt, action.world_size)
+            except ApiException as exc:
+                if exc.status in (409, 429) or exc.status is None or exc.status >= 500:
+                    raise  # not the pod's fault: kopf retries the tick
+                message = _api_message(exc)
+                log.warning("%s/%s: pod rejected: %s", namespace, name, message)
+                rejected = pod_rejected(obs, action.attempt, action.world_size, message)
+                body = {**body, "metadata": {**meta, "resourceVersion": rv}}
+                _apply(body, spec, rejected, uri=uri, obs=obs)
+                return
+        elif isinstance(action, DeletePods):
+            _delete_pods(namespace, action.names, force=action.force)
+        elif isinstance(action, DeleteAttempt):
+            _delete_attempt(namespace, name, spec, action.attempt)
+        elif isinstance(action, RequestCheckpoint):
+            _request_checkpoint(namespace, name, action)
+        elif isinstance(action, Emit):
+            _event(body, action.type, action.reason, action.message)
+        elif isinstance(action, Restarted):
+            METRICS.restarts.labels(reason=action.reason, cause=action.cause.value).inc()
+        elif isinstance(action, Recovered):
+            METRICS.recovery.observe(action.seconds)
+
+
+def _patch_status(namespace: str, name: str, uid: str, fields: dict[str, Any], rv: str) -> str:
+    """A merge patch of .status, conditional on the resourceVersion the plan was made
+    from; returns the new resourceVersion, or raises StaleView on 409."""
+    patch = {"metadata": {"resourceVersion": rv}, "status": fields}
+    try:
+        result = Cluster.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, patch
+        )
+    except ApiException as exc:
+        if exc.status == 409:
+            raise StaleView from exc
+        raise
+    new = str(result["metadata"]["resourceVersion"])
+    _WRITTEN[uid] = new
+    return new
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body or "{}").get("message") or exc.reason)
+    except ValueError:
+        return str(exc.reason)
 
 
 def _create(fn: Any, *args: Any) -> None:
@@ -88,183 +372,13 @@ def _create(fn: Any, *args: Any) -> None:
             raise
 
 
-def _delete_pods(namespace: str, pods: list[Any]) -> None:
-    for pod in pods:
-        if pod.metadata.deletion_timestamp is not None:
-            continue
-        try:
-            Cluster.core.delete_namespaced_pod(
-                pod.metadata.name, namespace, grace_period_seconds=30
-            )
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-
-
-def _fail(body: dict[str, Any], namespace: str, name: str, reason: str, message: str) -> None:
-    _patch_status(
-        namespace,
-        name,
-        {"phase": "Failed", "conditions": _condition(body, "Failed", reason, message)},
-    )
-    _event("Warning", body, reason=reason, message=message)
-    METRICS.job_phase(namespace, name, "Failed")
-
-
-@kopf.timer(GROUP, VERSION, PLURAL, interval=1.0, initial_delay=0.0)
-def reconcile(body: kopf.Body, name: str, namespace: str | None, uid: str, **_: Any) -> None:
-    assert namespace is not None  # the CRD is namespaced
-    status = dict(body.get("status") or {})
+def _create_or_replace_role(namespace: str, role: dict[str, Any]) -> None:
     try:
-        spec = JobSpec.parse(dict(body.get("spec") or {}), sidecar_image=Cluster.sidecar_image)
-    except SpecError as exc:
-        if status.get("phase") != "Failed":
-            _fail(dict(body), namespace, name, "InvalidSpec", str(exc))
-        return
-    state = job_state(status)
-    uri = job_checkpoint_uri(spec, namespace, name, uid)
-    pods = job_pods(Cluster.core, namespace, name)
-    stale = [p for p in pods if attempt_of(p) != state.attempt]
-    if stale:
-        _delete_pods(namespace, stale)  # older attempts never outlive a restart
-    current = [p for p in pods if attempt_of(p) == state.attempt]
-    if state.phase == "Restarting" and state.attempt:
-        # the attempt is over: finish tearing it down, were the operator stopped right
-        # after writing Restarting (deletes are idempotent; terminating pods are skipped)
-        _teardown_attempt(dict(body), spec, state.attempt, current)
-    views = [
-        pod_view(p)
-        for p in current
-        if p.metadata.deletion_timestamp is None or p.status.phase not in ("Succeeded",)
-    ]
-    if spec.backend == "pytorchjob" and state.attempt and state.pods_created:
-        views = _pytorchjob_views(namespace, name, state)
-    now = time.time()
-    decision = decide(spec, state, views, node_views(Cluster.core), now)
-    if decision.action not in ("none", "wait") or decision.reason:
-        log.info(
-            "%s/%s attempt %d: %s %s %s",
-            namespace,
-            name,
-            state.attempt,
-            decision.action,
-            decision.reason,
-            decision.message,
-        )
-    apply(dict(body), spec, state, decision, uri=uri, pods=current, now=now)
-    _observe_progress(dict(body), spec, state, uri, current, status, now)
-
-
-def _pytorchjob_views(namespace: str, name: str, state: JobState) -> list[PodView]:
-    """The attempt's PyTorchJob, read back as one view per node rank."""
-    try:
-        job = Cluster.custom.get_namespaced_custom_object(
-            "kubeflow.org", "v1", namespace, "pytorchjobs", f"{name}-a{state.attempt}"
-        )
+        Cluster.rbac.create_namespaced_role(namespace, role)
     except ApiException as exc:
-        if exc.status == 404:
-            return []  # deleted: the attempt is over
-        raise
-    phase = builders.pytorchjob_phase(job)
-    return [
-        PodView(f"{name}-a{state.attempt}", rank, phase, None, reason="PyTorchJob")
-        for rank in range(state.world_size)
-    ]
-
-
-def apply(
-    body: dict[str, Any],
-    spec: JobSpec,
-    state: JobState,
-    decision: Decision,
-    *,
-    uri: str,
-    pods: list[Any],
-    now: float,
-) -> None:
-    meta = body["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
-    if decision.action == "start":
-        attempt = state.attempt + 1
-        _patch_status(
-            namespace,
-            name,
-            {
-                "phase": "Running",
-                "attempt": attempt,
-                "worldSize": decision.world_size,
-                "podsCreated": False,
-                "notBefore": None,
-                "capacitySince": None,
-                "selector": f"{builders.LABEL_JOB}={name}",
-                "conditions": _condition(body, "Running", decision.reason, decision.message),
-            },
-        )
-        _event("Normal", body, reason="AttemptStarted", message=decision.message)
-        _create_attempt(body, spec, uri, attempt, decision.world_size)
-        _patch_status(namespace, name, {"podsCreated": True})
-        METRICS.world_size.labels(namespace=namespace, job_name=name).set(decision.world_size)
-        METRICS.job_phase(namespace, name, "Running")
-    elif decision.action == "create_pods":
-        _create_attempt(body, spec, uri, state.attempt, state.world_size)
-        _patch_status(namespace, name, {"podsCreated": True})
-    elif decision.action == "restart":
-        restarts = state.restarts + (1 if decision.counts_as_failure else 0)
-        # recovery is timed from the first failure a restart answers; a resize is none
-        failure_seen = (body.get("status") or {}).get("failureSeenAt") or (
-            now if decision.counts_as_failure else None
-        )
-        _patch_status(
-            namespace,
-            name,
-            {
-                "phase": "Restarting",
-                "restarts": restarts,
-                "notBefore": decision.not_before,
-                "failureSeenAt": failure_seen,
-                "podsCreated": False,
-                "conditions": _condition(
-                    body, "Restarting", decision.reason, decision.message, restarted=True
-                ),
-            },
-        )
-        _event(
-            "Warning" if decision.counts_as_failure else "Normal",
-            body,
-            reason=decision.reason,
-            message=f"restarting: {decision.message}",
-        )
-        METRICS.restarts.labels(reason=decision.reason).inc()
-        METRICS.job_phase(namespace, name, "Restarting")
-        _teardown_attempt(body, spec, state.attempt, pods)
-    elif decision.action == "succeed":
-        _patch_status(
-            namespace,
-            name,
-            {
-                "phase": "Succeeded",
-                "conditions": _condition(body, "Succeeded", decision.reason, decision.message),
-            },
-        )
-        _event("Normal", body, reason="Succeeded", message=decision.message)
-        METRICS.job_phase(namespace, name, "Succeeded")
-    elif decision.action == "fail":
-        _teardown_attempt(body, spec, state.attempt, pods)
-        _fail(body, namespace, name, decision.reason, decision.message)
-    elif decision.action == "wait" and decision.reason == "InsufficientNodes":
-        conds = (body.get("status") or {}).get("conditions") or []
-        if not conds or conds[0].get("reason") != decision.reason:
-            _patch_status(
-                namespace,
-                name,
-                {
-                    "phase": state.phase if state.attempt else "Pending",
-                    "conditions": _condition(body, "Waiting", decision.reason, decision.message),
-                },
-            )
-            _event("Warning", body, reason=decision.reason, message=decision.message)
-    if decision.action in ("none", "wait") and decision.capacity_since != state.capacity_since:
-        _patch_status(namespace, name, {"capacitySince": decision.capacity_since})
+        if exc.status != 409:
+            raise
+        Cluster.rbac.patch_namespaced_role(role["metadata"]["name"], namespace, role)
 
 
 def _create_attempt(
@@ -282,6 +396,17 @@ def _create_attempt(
             job,
         )
         return
+    # heartbeats first: a rank's sidecar renews a Lease that exists, under a Role naming it
+    _create_or_replace_role(
+        namespace, builders.build_heartbeat_role(body, attempt=attempt, world_size=world_size)
+    )
+    _create(
+        Cluster.rbac.create_namespaced_role_binding,
+        namespace,
+        builders.build_heartbeat_binding(body, spec),
+    )
+    for lease in builders.build_leases(body, spec, attempt=attempt, world_size=world_size):
+        _create(Cluster.coordination.create_namespaced_lease, namespace, lease)
     _create(Cluster.core.create_namespaced_service, namespace, builders.build_service(body))
     for rank in range(world_size):
         pod = builders.build_pod(
@@ -290,9 +415,19 @@ def _create_attempt(
         _create(Cluster.core.create_namespaced_pod, namespace, pod)
 
 
-def _teardown_attempt(body: dict[str, Any], spec: JobSpec, attempt: int, pods: list[Any]) -> None:
-    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    if spec.backend == "pytorchjob":
+def _delete_pods(namespace: str, names: Iterable[str], *, force: bool) -> None:
+    for pod in names:
+        try:
+            Cluster.core.delete_namespaced_pod(
+                pod, namespace, grace_period_seconds=0 if force else 30
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+def _delete_attempt(namespace: str, name: str, spec: JobSpec | None, attempt: int) -> None:
+    if spec is not None and spec.backend == "pytorchjob":
         try:
             Cluster.custom.delete_namespaced_custom_object(
                 "kubeflow.org", "v1", namespace, "pytorchjobs", f"{name}-a{attempt}"
@@ -300,33 +435,26 @@ def _teardown_attempt(body: dict[str, Any], spec: JobSpec, attempt: int, pods: l
         except ApiException as exc:
             if exc.status != 404:
                 raise
-    _delete_pods(namespace, pods)
+    selector = f"{LABEL_JOB}={name},{builders.LABEL_ATTEMPT}={attempt}"
+    Cluster.coordination.delete_collection_namespaced_lease(namespace, label_selector=selector)
 
 
-def _observe_progress(
-    body: dict[str, Any],
-    spec: JobSpec,
-    state: JobState,
-    uri: str,
-    pods: list[Any],
-    status: dict[str, Any],
-    now: float,
-) -> None:
-    """Recovery time, the last checkpoint, and (pytorchjob) the PyTorchJob's own phase."""
-    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    update: dict[str, Any] = {}
-    running = (
-        bool(pods)
-        and len(pods) >= state.world_size
-        and all(p.status.phase == "Running" for p in pods)
-    )
-    if state.phase == "Running" and status.get("failureSeenAt") and running:
-        METRICS.recovery.observe(max(0.0, now - float(status["failureSeenAt"])))
-        update["failureSeenAt"] = None
-    latest = Cluster.checkpoints.latest(
-        namespace, uri, spec.checkpoint.endpoint, spec.checkpoint.credentials_secret
-    )
-    if latest and latest != status.get("lastCheckpoint"):
-        update["lastCheckpoint"] = latest
-    if update:
-        _patch_status(namespace, name, update)
+def _request_checkpoint(namespace: str, name: str, action: RequestCheckpoint) -> None:
+    """Annotate every rank's Lease: its sidecar sees it on the next beat and tells the
+    trainer (docs/operator.md, "Planned transitions")."""
+    patch = {"metadata": {"annotations": {ANNOTATION_CHECKPOINT_REQUEST: action.request_id}}}
+    for rank in range(action.world_size):
+        lease = builders.pod_name(name, action.attempt, rank)
+        try:
+            Cluster.coordination.patch_namespaced_lease(lease, namespace, patch)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def forget(name: str, namespace: str | None, uid: str, **_: Any) -> None:
+    """A deleted job leaves no series behind (its objects go by garbage collection)."""
+    assert namespace is not None
+    METRICS.job_phase(namespace, name, None)
+    _WRITTEN.pop(uid, None)

@@ -13,9 +13,9 @@ class OperatorMetrics:
         r = self.registry
         self.restarts = Counter(
             "ctj_job_restarts",
-            "Attempts ended and restarted, by reason (PodFailed, "
-            "NodeNotReady, ScaleUp, Resize, ...).",
-            ["reason"],
+            "Attempts ended and restarted, by reason (PodFailed, HeartbeatLost, "
+            "NodeNotReady, ScaleUp, Resize, ...) and cause (crash, node, planned).",
+            ["reason", "cause"],
             registry=r,
         )
         self.world_size = Gauge(

@@ -1,124 +1,134 @@
-"""Reading the cluster (and the checkpoint store) into the decisions' plain views."""
+"""What the watches deliver, reduced to the plain values the decisions read.
+
+kopf keeps an index per watched kind (handlers.py registers them); each index entry is one
+of the small dicts made here, so the reconcile reads memory, not the API server. Heartbeat
+and kubelet Leases are judged by when *this process* saw them change (``Freshness``), never
+by comparing another machine's clock with ours.
+"""
 
 from __future__ import annotations
 
-import base64
-import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from kubernetes import client
-
-from .builders import LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK
-from .decisions import JobState, NodeView, PodView
-
-log = logging.getLogger("ctj.operator")
-_UNSCHEDULABLE_TAINTS = ("NoSchedule", "NoExecute")
+from .builders import ANNOTATION_LAST_CHECKPOINT, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK
+from .decisions import NodeView, PodView
 
 
-def node_views(core: client.CoreV1Api) -> list[NodeView]:
-    views = []
-    for node in core.list_node().items:
-        conditions = {c.type: c.status for c in (node.status.conditions or [])}
-        taints = node.spec.taints or []
-        views.append(
-            NodeView(
-                name=node.metadata.name,
-                ready=conditions.get("Ready") == "True",
-                schedulable=not node.spec.unschedulable
-                and not any(t.effect in _UNSCHEDULABLE_TAINTS for t in taints),
+def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
+    """One pod of a ctj job, as the job's index keeps it."""
+    meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
+    labels = meta.get("labels") or {}
+    waiting = ""
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            waiting = cond.get("message") or cond.get("reason") or ""
+    for cs in status.get("containerStatuses") or []:
+        w = (cs.get("state") or {}).get("waiting") or {}
+        if w.get("reason") and not waiting:
+            waiting = f"{cs.get('name')}: {w['reason']}" + (
+                f" ({w['message']})" if w.get("message") else ""
             )
-        )
-    return views
+    return {
+        "name": meta["name"],
+        "attempt": int(labels.get(LABEL_ATTEMPT, "0")),
+        "rank": int(labels.get(LABEL_RANK, "0")),
+        "phase": status.get("phase") or "Pending",
+        "node": spec.get("nodeName"),
+        "terminating": meta.get("deletionTimestamp") is not None,
+        "reason": status.get("reason"),
+        "waiting": waiting,
+    }
 
 
-def job_pods(core: client.CoreV1Api, namespace: str, job: str) -> list[Any]:
-    return core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={job}").items
-
-
-def pod_view(pod: Any) -> PodView:
-    status = pod.status
+def pod_view(s: Mapping[str, Any]) -> PodView:
     return PodView(
-        name=pod.metadata.name,
-        node_rank=int(pod.metadata.labels.get(LABEL_RANK, "0")),
-        phase=status.phase or "Pending",
-        node_name=pod.spec.node_name,
-        terminating=pod.metadata.deletion_timestamp is not None,
-        reason=status.reason,
+        name=s["name"],
+        attempt=s["attempt"],
+        node_rank=s["rank"],
+        phase=s["phase"],
+        node_name=s["node"],
+        terminating=s["terminating"],
+        reason=s["reason"],
+        waiting=s["waiting"],
     )
 
 
-def attempt_of(pod: Any) -> int:
-    return int(pod.metadata.labels.get(LABEL_ATTEMPT, "0"))
+def job_of(labels: Mapping[str, str]) -> str | None:
+    return labels.get(LABEL_JOB)
 
 
-def job_state(status: dict[str, Any]) -> JobState:
-    return JobState(
-        phase=status.get("phase") or "Pending",
-        attempt=int(status.get("attempt") or 0),
-        world_size=int(status.get("worldSize") or 0),
-        restarts=int(status.get("restarts") or 0),
-        pods_created=bool(status.get("podsCreated")),
-        not_before=status.get("notBefore"),
-        capacity_since=status.get("capacitySince"),
+def node_summary(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What capacity.py needs of a Node (name, labels, taints, allocatable, Ready)."""
+    meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
+    return {
+        "metadata": {"name": meta["name"], "labels": dict(meta.get("labels") or {})},
+        "spec": {
+            "taints": list(spec.get("taints") or []),
+            "unschedulable": bool(spec.get("unschedulable")),
+        },
+        "status": {
+            "allocatable": dict(status.get("allocatable") or {}),
+            "conditions": [
+                {"type": c.get("type"), "status": c.get("status")}
+                for c in status.get("conditions") or []
+                if c.get("type") == "Ready"
+            ],
+        },
+    }
+
+
+def node_view(summary: Mapping[str, Any], alive_at: float | None) -> NodeView:
+    conditions = {c["type"]: c["status"] for c in summary["status"]["conditions"]}
+    return NodeView(
+        name=summary["metadata"]["name"],
+        ready=conditions.get("Ready") == "True",
+        cordoned=summary["spec"]["unschedulable"],
+        alive_at=alive_at,
     )
 
 
-class CheckpointWatcher:
-    """The last committed checkpoint of each job, read from its store at most every 10 s."""
+def lease_summary(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A rank's heartbeat Lease: its renewTime and what rank 0 reports."""
+    meta, spec = body["metadata"], body.get("spec") or {}
+    labels, notes = meta.get("labels") or {}, meta.get("annotations") or {}
+    return {
+        "name": meta["name"],
+        "attempt": int(labels.get(LABEL_ATTEMPT, "0")),
+        "rank": int(labels.get(LABEL_RANK, "0")),
+        "renew": spec.get("renewTime"),
+        "checkpoint": notes.get(ANNOTATION_LAST_CHECKPOINT),
+    }
 
-    def __init__(self, core: client.CoreV1Api, every_s: float = 10.0) -> None:
-        self.core = core
-        self.every_s = every_s
-        self._cache: dict[str, tuple[float, dict[str, Any] | None]] = {}
 
-    def latest(
-        self, namespace: str, uri: str, endpoint: str | None, secret: str | None
-    ) -> dict[str, Any] | None:
-        now = time.monotonic()
-        cached = self._cache.get(uri)
-        if cached and now - cached[0] < self.every_s:
-            return cached[1]
-        found = None
-        try:
-            found = self._read(namespace, uri, endpoint, secret)
-        except Exception as exc:  # noqa: BLE001 - status is informative; never block reconcile
-            log.warning("cannot read checkpoints at %s: %s", uri, str(exc).splitlines()[0])
-        self._cache[uri] = (now, found)
-        return found
+class Freshness:
+    """When each watched value was last seen to change, by this process's clocks.
 
-    def _read(
-        self, namespace: str, uri: str, endpoint: str | None, secret: str | None
-    ) -> dict[str, Any] | None:
-        from trainer_sidecar.store import repository
-        from trainer_sidecar.store.base import Location
-        from trainer_sidecar.store.local import LocalStore
-        from trainer_sidecar.store.s3 import S3Settings, S3Store
+    ``silent_for`` is monotonic seconds since the value last changed (None until it has
+    had one); a value first seen by a freshly started operator counts as just changed, so
+    a restart gives every heartbeat a whole timeout before it is judged.
+    """
 
-        location = Location.parse(uri)
-        if location.scheme == "file":
-            store: Any = LocalStore(location.prefix, create=False)
-        else:
-            store = S3Store(
-                location,
-                S3Settings(endpoint_url=endpoint, max_attempts=2),
-                credentials=self._credentials(namespace, secret),
-            )
-        latest = repository.latest_manifest(store)
-        if latest is None:
-            return None
-        return {
-            "step": latest.step,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(latest.created)),
-            "bytes": latest.logical_bytes,
-        }
+    def __init__(self) -> None:
+        self._seen: dict[Any, tuple[Any, float, float]] = {}
 
-    def _credentials(self, namespace: str, secret: str | None) -> dict[str, str] | None:
-        if not secret:
-            return None
-        data = self.core.read_namespaced_secret(secret, namespace).data or {}
-        return {
-            k: base64.b64decode(v).decode()
-            for k, v in data.items()
-            if k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-        }
+    def see(self, key: Any, value: Any) -> None:
+        if value is None:
+            return
+        old = self._seen.get(key)
+        if old is None or old[0] != value:
+            self._seen[key] = (value, time.monotonic(), time.time())
+
+    def silent_for(self, key: Any) -> float | None:
+        seen = self._seen.get(key)
+        return None if seen is None else time.monotonic() - seen[1]
+
+    def changed_at(self, key: Any) -> float | None:
+        """Wall-clock time of the last change seen (for marks kept in .status)."""
+        seen = self._seen.get(key)
+        return None if seen is None else seen[2]
+
+    def forget(self, keep: set[Any]) -> None:
+        for key in set(self._seen) - keep:
+            del self._seen[key]

@@ -34,6 +34,24 @@ class CheckpointSpec:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DetectionSpec:
+    """How fast an attempt is declared over (docs/operator.md, "Failure detection")."""
+
+    heartbeat_period_seconds: float = 2.0  # each rank's sidecar renews its Lease this often
+    heartbeat_timeout_seconds: float = 10.0  # a rank silent this long has failed
+    scheduling_timeout_seconds: float = 300.0  # ranks Pending this long end the attempt
+    teardown_deadline_seconds: float = 45.0  # then an ended attempt's pods are force-deleted
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout_seconds < 3 * self.heartbeat_period_seconds:
+            raise SpecError(
+                f"spec.failureDetection.heartbeatTimeoutSeconds={self.heartbeat_timeout_seconds:g}"
+                " must be at least 3 heartbeatPeriodSeconds "
+                f"({self.heartbeat_period_seconds:g}): one late beat must not fail a job"
+            )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class JobSpec:
     replicas: int
     min_replicas: int
@@ -44,8 +62,11 @@ class JobSpec:
     checkpoint: CheckpointSpec
     max_restarts: int = 10
     backoff_seconds: float = 2.0
+    reset_after_seconds: float = 600.0  # crashes are forgiven after this long healthy
     scale_up: bool = True
     stabilization_seconds: float = 60.0
+    detection: DetectionSpec = dataclasses.field(default_factory=lambda: DetectionSpec())
+    transition_timeout_seconds: float = 120.0  # a planned transition waits this for its save
 
     def __post_init__(self) -> None:
         if not self.min_replicas <= self.replicas <= self.max_replicas:
@@ -67,6 +88,8 @@ class JobSpec:
             raise SpecError("spec.checkpoint.uri is missing: set s3://bucket/prefix")
         restart = spec.get("restartPolicy") or {}
         scale = spec.get("scaleUp") or {}
+        detect = spec.get("failureDetection") or {}
+        transitions = spec.get("transitions") or {}
         return cls(
             replicas=int(spec.get("replicas", 1)),
             min_replicas=int(spec.get("minReplicas", 1)),
@@ -88,8 +111,16 @@ class JobSpec:
             ),
             max_restarts=int(restart.get("maxRestarts", 10)),
             backoff_seconds=float(restart.get("backoffSeconds", 2.0)),
+            reset_after_seconds=float(restart.get("resetAfterSeconds", 600.0)),
             scale_up=bool(scale.get("enabled", True)),
             stabilization_seconds=float(scale.get("stabilizationSeconds", 60.0)),
+            detection=DetectionSpec(
+                heartbeat_period_seconds=float(detect.get("heartbeatPeriodSeconds", 2.0)),
+                heartbeat_timeout_seconds=float(detect.get("heartbeatTimeoutSeconds", 10.0)),
+                scheduling_timeout_seconds=float(detect.get("schedulingTimeoutSeconds", 300.0)),
+                teardown_deadline_seconds=float(detect.get("teardownDeadlineSeconds", 45.0)),
+            ),
+            transition_timeout_seconds=float(transitions.get("checkpointTimeoutSeconds", 120.0)),
         )
 
 

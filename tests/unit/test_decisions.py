@@ -1,239 +1,437 @@
-"""The operator's decisions, table-driven: no cluster, no clock."""
+"""The operator's decisions, table-driven: no cluster, no clock (docs/operator.md's rules)."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 from ctj_operator.decisions import (
-    Decision,
+    Cause,
+    CreateAttempt,
+    DeleteAttempt,
+    DeletePods,
     JobState,
     NodeView,
+    Observation,
+    PatchStatus,
+    Plan,
     PodView,
-    attempt_failure,
+    RequestCheckpoint,
+    Restarted,
+    Transition,
     backoff,
     decide,
+    job_state,
+    pod_rejected,
 )
 from ctj_operator.spec import JobSpec, SpecError
 
 TEMPLATE = {"spec": {"containers": [{"name": "trainer", "image": "x"}]}}
 
 
-def spec(**kw: object) -> JobSpec:
-    base: dict[str, object] = dict(
-        replicas=3,
-        min_replicas=1,
-        max_replicas=4,
-        nproc_per_node=1,
-        backend="pods",
-        template=TEMPLATE,
-        checkpoint=JobSpec.parse(
-            {"checkpoint": {"uri": "s3://b/p"}, "template": TEMPLATE}
-        ).checkpoint,
-        max_restarts=2,
-        backoff_seconds=2.0,
-        stabilization_seconds=30.0,
-    )
-    base.update(kw)
-    return JobSpec(**base)  # type: ignore[arg-type]
+def spec(**kw: Any) -> JobSpec:
+    raw: dict[str, Any] = {
+        "replicas": 3,
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "template": TEMPLATE,
+        "checkpoint": {"uri": "s3://b/p"},
+        "restartPolicy": {"maxRestarts": 2, "backoffSeconds": 2.0, "resetAfterSeconds": 600},
+        "scaleUp": {"stabilizationSeconds": 30.0},
+    }
+    raw.update(kw)
+    return JobSpec.parse(raw)
 
 
 def nodes(ready: int, not_ready: int = 0, cordoned: int = 0) -> list[NodeView]:
-    out = [NodeView(f"n{i}", True, True) for i in range(ready)]
-    out += [NodeView(f"bad{i}", False, True) for i in range(not_ready)]
-    out += [NodeView(f"cord{i}", True, False) for i in range(cordoned)]
+    out = [NodeView(f"n{i}", True) for i in range(ready)]
+    out += [NodeView(f"bad{i}", False) for i in range(not_ready)]
+    out += [NodeView(f"cord{i}", True, cordoned=True) for i in range(cordoned)]
     return out
 
 
-def pods(n: int, phase: str = "Running", **kw: object) -> list[PodView]:
-    return [PodView(f"p{i}", i, phase, f"n{i}", **kw) for i in range(n)]  # type: ignore[arg-type]
+def pods(n: int, phase: str = "Running", attempt: int = 1, **kw: Any) -> list[PodView]:
+    return [PodView(f"a{attempt}-{i}", attempt, i, phase, f"n{i}", **kw) for i in range(n)]
 
 
-RUNNING3 = JobState(phase="Running", attempt=1, world_size=3, pods_created=True)
+def pod(rank: int, phase: str = "Running", node: str | None = None, **kw: Any) -> PodView:
+    return PodView(f"a1-{rank}", kw.pop("attempt", 1), rank, phase, node or f"n{rank}", **kw)
+
+
+RUNNING3 = JobState(
+    phase="Running", attempt=1, world_size=3, pods_created=True, attempt_started=0.0
+)
+
+
+def observe(
+    state: JobState,
+    the_pods: list[PodView],
+    the_nodes: list[NodeView],
+    now: float = 0.0,
+    *,
+    job: JobSpec | None = None,
+    fits: list[str] | None = None,
+    beats: dict[int, float | None] | None = None,
+    last_checkpoint: dict[str, Any] | None = None,
+) -> Observation:
+    usable = [n.name for n in the_nodes if n.ready and not n.cordoned]
+    return Observation(
+        spec=job or spec(),
+        state=state,
+        pods=the_pods,
+        nodes=the_nodes,
+        fits=usable if fits is None else fits,
+        beats=beats or {},
+        last_checkpoint=last_checkpoint,
+        uri="s3://b/p/ns/job-uid",
+        now=now,
+    )
+
+
+def what(plan: Plan) -> str:
+    """One line a table row can name: start N | create N | restart Reason cause | fail
+    Reason | succeed | request Reason | wait."""
+    status = plan.status()
+    for a in plan.actions:
+        if isinstance(a, Restarted):
+            return f"restart {a.reason} {a.cause}"
+        if isinstance(a, RequestCheckpoint):
+            return f"request {status['transition']['reason']}"
+    if status.get("phase") == "Failed":
+        return f"fail {status['conditions'][0]['reason']}"
+    if status.get("phase") == "Succeeded":
+        return "succeed"
+    for a in plan.actions:
+        if isinstance(a, CreateAttempt):
+            return f"{'start' if 'attempt' in status else 'create'} {a.world_size}"
+    return "wait"
 
 
 @pytest.mark.parametrize(
     ("state", "the_pods", "the_nodes", "now", "want"),
     [
-        # a new job starts at min(replicas, usable nodes)
-        (JobState(), [], nodes(5), 0.0, ("start", 3, "Started")),
-        (JobState(), [], nodes(2), 0.0, ("start", 2, "Started")),
-        # not enough usable nodes: wait, saying why
-        (JobState(), [], nodes(0, not_ready=3), 0.0, ("wait", 0, "InsufficientNodes")),
-        # the operator died while creating the attempt's pods: finish creating them
-        (
-            JobState(phase="Running", attempt=1, world_size=3),
+        pytest.param(JobState(), [], nodes(5), 0.0, "start 3", id="new-job-starts-at-replicas"),
+        pytest.param(JobState(), [], nodes(2), 0.0, "start 2", id="new-job-starts-at-fit"),
+        pytest.param(JobState(), [], nodes(0, not_ready=3), 0.0, "wait", id="no-node-waits"),
+        pytest.param(
+            dataclasses.replace(RUNNING3, pods_created=False),
             [],
             nodes(3),
             0.0,
-            ("create_pods", 3, ""),
+            "create 3",
+            id="operator-stopped-mid-create-finishes-it",
         ),
-        # healthy
-        (RUNNING3, pods(3), nodes(3), 0.0, ("none", 0, "")),
-        # a node of the gang goes NotReady: restart, counted as a failure
-        (
+        pytest.param(RUNNING3, pods(3), nodes(3), 0.0, "wait", id="healthy"),
+        pytest.param(
             RUNNING3,
-            pods(2) + [PodView("p2", 2, "Running", "bad0")],
+            pods(2) + [pod(2, node="bad0")],
             nodes(2, not_ready=1),
             0.0,
-            ("restart", 0, "NodeNotReady"),
+            "restart NodeNotReady node",
+            id="node-not-ready",
         ),
-        (
+        pytest.param(
             RUNNING3,
-            pods(2) + [PodView("p2", 2, "Running", "gone")],
+            pods(2) + [pod(2, node="gone")],
             nodes(2),
             0.0,
-            ("restart", 0, "NodeDeleted"),
+            "restart NodeDeleted node",
+            id="node-deleted",
         ),
-        (
+        pytest.param(RUNNING3, pods(2), nodes(3), 0.0, "restart PodDeleted node", id="pod-missing"),
+        pytest.param(
             RUNNING3,
-            pods(2) + [PodView("p2", 2, "Running", "cord0")],
-            nodes(2, cordoned=1),
-            0.0,
-            ("restart", 0, "NodeCordoned"),
-        ),
-        (RUNNING3, pods(2), nodes(3), 0.0, ("restart", 0, "PodDeleted")),
-        (
-            RUNNING3,
-            pods(2) + [PodView("p2", 2, "Failed", "n2", reason="Evicted")],
+            pods(2) + [pod(2, terminating=True)],
             nodes(3),
             0.0,
-            ("restart", 0, "PodEvicted"),
+            "restart PodDeleted node",
+            id="pod-terminating",
         ),
-        (
+        pytest.param(
             RUNNING3,
-            pods(2) + [PodView("p2", 2, "Failed", "n2")],
+            pods(2) + [pod(2, "Failed", reason="Evicted")],
             nodes(3),
             0.0,
-            ("restart", 0, "PodFailed"),
+            "restart PodEvicted node",
+            id="pod-evicted",
         ),
-        # too many failures: fail with the reason
-        (
-            JobState(phase="Running", attempt=3, world_size=3, pods_created=True, restarts=2),
-            pods(2) + [PodView("p2", 2, "Failed", "n2")],
+        pytest.param(
+            RUNNING3,
+            pods(2) + [pod(2, "Failed")],
             nodes(3),
             0.0,
-            ("fail", 0, "MaxRestartsExceeded"),
+            "restart PodFailed crash",
+            id="pod-failed-is-a-crash",
         ),
-        # every rank exited 0
-        (RUNNING3, pods(3, "Succeeded"), nodes(3), 0.0, ("succeed", 0, "Completed")),
-        # restarting: back off, then start at what the nodes allow
-        (
+        pytest.param(
+            dataclasses.replace(RUNNING3, restarts=2),
+            pods(2) + [pod(2, "Failed")],
+            nodes(3),
+            0.0,
+            "fail MaxRestartsExceeded",
+            id="crashes-exhaust-max-restarts",
+        ),
+        pytest.param(
+            dataclasses.replace(RUNNING3, restarts=2, node_restarts=50),
+            pods(2),
+            nodes(3),
+            0.0,
+            "restart PodDeleted node",
+            id="node-restarts-do-not-count",
+        ),
+        pytest.param(
+            dataclasses.replace(RUNNING3, restarts=2, healthy_since=0.0),
+            pods(2) + [pod(2, "Failed")],
+            nodes(3),
+            600.0,
+            "restart PodFailed crash",
+            id="a-long-healthy-run-forgives-crashes",
+        ),
+        pytest.param(RUNNING3, pods(3, "Succeeded"), nodes(3), 0.0, "succeed", id="all-exit-0"),
+        pytest.param(
             JobState(phase="Restarting", attempt=1, world_size=3, not_before=10.0),
             [],
             nodes(2),
             5.0,
-            ("wait", 0, ""),
+            "wait",
+            id="backoff",
         ),
-        (
+        pytest.param(
             JobState(phase="Restarting", attempt=1, world_size=3, not_before=10.0),
             [],
             nodes(2),
             10.0,
-            ("start", 2, "Started"),
+            "start 2",
+            id="after-backoff-start-at-fit",
         ),
-        # the ended attempt's pods still on live nodes hold the new gang back
-        (
+        pytest.param(
             JobState(phase="Restarting", attempt=1, world_size=3),
-            pods(2),
+            pods(2, terminating=True),
             nodes(3),
             0.0,
-            ("wait", 0, "TearingDown"),
+            "wait",
+            id="terminating-pods-hold-the-new-gang",
         ),
-        # ... but one stuck on a NotReady node does not, and that node is not counted
-        (
-            JobState(phase="Restarting", attempt=1, world_size=3),
-            [PodView("p2", 2, "Running", "bad0")],
-            nodes(2, not_ready=1),
-            0.0,
-            ("start", 2, "Started"),
-        ),
-        # capacity came back: wait out the stabilization window, then grow
-        (
-            JobState(phase="Running", attempt=2, world_size=2, pods_created=True),
+        pytest.param(
+            dataclasses.replace(RUNNING3, world_size=2, capacity_since=60.0),
             pods(2),
             nodes(3),
             100.0,
-            ("wait", 0, ""),
+            "request ScaleUp",
+            id="capacity-stable-asks-a-checkpoint-then-grows",
         ),
-        (
-            JobState(
-                phase="Running", attempt=2, world_size=2, pods_created=True, capacity_since=60.0
-            ),
+        pytest.param(
+            dataclasses.replace(RUNNING3, world_size=2),
             pods(2),
             nodes(3),
             100.0,
-            ("restart", 0, "ScaleUp"),
+            "wait",
+            id="capacity-new-waits-the-window",
+        ),
+        pytest.param(
+            RUNNING3,
+            pods(2) + [pod(2, node="cord0")],
+            nodes(2, cordoned=1),
+            0.0,
+            "request NodeDrained",
+            id="cordon-is-planned",
         ),
     ],
 )
 def test_decide(
-    state: JobState,
-    the_pods: list[PodView],
-    the_nodes: list[NodeView],
-    now: float,
-    want: tuple[str, int, str],
+    state: JobState, the_pods: list[PodView], the_nodes: list[NodeView], now: float, want: str
 ) -> None:
-    d = decide(spec(), state, the_pods, the_nodes, now)
-    assert (d.action, d.world_size, d.reason) == want
+    assert what(decide(observe(state, the_pods, the_nodes, now))) == want
 
 
-def test_failures_count_but_resizes_do_not() -> None:
-    failed = decide(spec(), RUNNING3, pods(2), nodes(3), 0.0)
-    assert failed.counts_as_failure
-    resized = decide(spec(replicas=2), RUNNING3, pods(3), nodes(3), 0.0)
-    assert (resized.action, resized.reason, resized.counts_as_failure) == (
-        "restart",
-        "Resize",
-        False,
+def test_a_resize_checkpoints_first_and_ends_when_the_ranks_stopped() -> None:
+    asked = decide(observe(RUNNING3, pods(3), nodes(3), 5.0, job=spec(replicas=2)))
+    assert what(asked) == "request Resize"
+    request = next(a for a in asked.actions if isinstance(a, RequestCheckpoint))
+    assert (request.attempt, request.world_size) == (1, 3)
+    t = asked.status()["transition"]
+    waiting = dataclasses.replace(
+        RUNNING3, transition=Transition(t["reason"], t["message"], 5.0, t["requestId"])
     )
+    # still training: wait for the save, and do not ask again
+    assert what(decide(observe(waiting, pods(3), nodes(3), 10.0, job=spec(replicas=2)))) == "wait"
+    # every rank saved and exited 0: a planned restart, never "Succeeded"
+    done = decide(observe(waiting, pods(3, "Succeeded"), nodes(3), 20.0, job=spec(replicas=2)))
+    assert what(done) == "restart Resize planned"
+    assert done.status()["restarts"] == 0 and done.status()["nodeRestarts"] == 0
+    assert done.status()["notBefore"] is None  # no backoff for a planned restart
+    # a trainer that ignores the request: restart anyway after the timeout
+    late = decide(observe(waiting, pods(3), nodes(3), 126.0, job=spec(replicas=2)))
+    assert what(late) == "restart Resize planned"
+    assert "steps since the last checkpoint are lost" in late.status()["conditions"][0]["message"]
 
 
-def test_stabilization_window_starts_when_capacity_is_first_seen() -> None:
-    state = JobState(phase="Running", attempt=2, world_size=2, pods_created=True)
-    first = decide(spec(), state, pods(2), nodes(3), 100.0)
-    assert first == Decision("wait", capacity_since=100.0, requeue_after=30.0)
-    gone = decide(
-        spec(),
-        JobState(phase="Running", attempt=2, world_size=2, pods_created=True, capacity_since=90.0),
-        pods(2),
-        nodes(2),
-        100.0,
+def test_a_failure_during_a_transition_ends_it_as_a_failure() -> None:
+    waiting = dataclasses.replace(RUNNING3, transition=Transition("Resize", "m", 5.0, "1-R-5"))
+    plan = decide(observe(waiting, pods(2) + [pod(2, "Failed")], nodes(3), 6.0))
+    assert what(plan) == "restart PodFailed crash"
+
+
+def test_heartbeat_lost_ends_the_attempt_in_seconds_and_the_node_is_suspect() -> None:
+    beats: dict[int, float | None] = {0: 1.0, 1: 1.0, 2: 10.5}
+    plan = decide(observe(RUNNING3, pods(3), nodes(3), 100.0, beats=beats))
+    assert what(plan) == "restart HeartbeatLost node"
+    status = plan.status()
+    assert status["suspectNodes"] == {"n2": 100.0}
+    # the silent rank's pod is force-deleted (its kubelet may be gone), the others not
+    deletes = [a for a in plan.actions if isinstance(a, DeletePods)]
+    assert DeletePods(("a1-2",), force=True) in deletes
+    assert DeletePods(("a1-0", "a1-1")) in deletes
+    assert any(isinstance(a, DeleteAttempt) for a in plan.actions)
+
+
+@pytest.mark.parametrize(
+    ("beats", "phase"),
+    [
+        pytest.param({2: 9.9}, "Running", id="within-timeout"),
+        pytest.param({2: None}, "Running", id="never-beat-yet"),
+        pytest.param({2: 60.0}, "Pending", id="not-running"),
+    ],
+)
+def test_heartbeats_that_do_not_end_an_attempt(beats: dict[int, float | None], phase: str) -> None:
+    the_pods = pods(2) + [pod(2, phase)]
+    assert what(decide(observe(RUNNING3, the_pods, nodes(3), 1.0, beats=beats))) == "wait"
+
+
+def test_a_suspect_node_does_not_count_until_its_kubelet_is_seen_again() -> None:
+    state = JobState(phase="Restarting", attempt=1, world_size=3, suspect={"n2": 100.0})
+    dead = [*nodes(2), NodeView("n2", True, alive_at=99.0)]
+    plan = decide(observe(state, [], dead, 101.0))
+    assert what(plan) == "start 2"
+    back = [*nodes(2), NodeView("n2", True, alive_at=105.0)]
+    plan = decide(observe(state, [], back, 106.0))
+    assert what(plan) == "start 3"
+    assert plan.status()["suspectNodes"] == {}
+
+
+def test_pending_past_the_timeout_ends_the_attempt_and_caps_the_next() -> None:
+    job = spec(failureDetection={"schedulingTimeoutSeconds": 60})
+    waiting = pods(2) + [PodView("a1-2", 1, 2, "Pending", None, waiting="0/3 nodes: Insufficient")]
+    assert what(decide(observe(RUNNING3, waiting, nodes(3), 59.0, job=job))) == "wait"
+    plan = decide(observe(RUNNING3, waiting, nodes(3), 61.0, job=job))
+    assert what(plan) == "restart Unschedulable node"
+    assert plan.status()["sizeCap"] == 2
+    assert "0/3 nodes: Insufficient" in plan.status()["conditions"][0]["message"]
+    after = job_state({**plan.status(), "tornDown": True, "attempt": 1})
+    assert what(decide(observe(after, [], nodes(3), 70.0, job=job))) == "start 2"
+
+
+def test_teardown_force_deletes_after_the_deadline_and_on_dead_nodes() -> None:
+    state = JobState(phase="Restarting", attempt=1, world_size=3, teardown_since=0.0)
+    lingering = [pod(0, terminating=True), pod(1, terminating=True, node="bad0")]
+    early = decide(observe(state, lingering, [*nodes(2), NodeView("bad0", False)], 10.0))
+    assert DeletePods(("a1-1",), force=True) in early.actions
+    assert not any(isinstance(a, CreateAttempt) for a in early.actions)
+    late = decide(observe(state, lingering, [*nodes(2), NodeView("bad0", False)], 46.0))
+    assert DeletePods(("a1-0", "a1-1"), force=True) in late.actions
+
+
+def test_a_stale_view_acts_on_nothing() -> None:
+    """A pod of a newer attempt than the job read: the body lags our own writes."""
+    newer = pods(3, attempt=2)
+    assert decide(observe(RUNNING3, newer, nodes(3))).actions == ()
+
+
+def test_older_attempts_are_removed_in_any_view() -> None:
+    state = dataclasses.replace(RUNNING3, attempt=2)
+    plan = decide(observe(state, pods(3, attempt=2) + pods(1, attempt=1), nodes(3)))
+    assert plan.actions[0] == DeletePods(("a1-0",))
+
+
+def test_every_mutating_plan_starts_with_a_status_write() -> None:
+    """The handler sends the first write with the resourceVersion read, so a plan made
+    from a stale view fails before it creates or deletes anything of the current attempt."""
+    cases = [
+        observe(JobState(), [], nodes(3)),
+        observe(dataclasses.replace(RUNNING3, pods_created=False), [], nodes(3)),
+        observe(RUNNING3, pods(2), nodes(3)),
+        observe(RUNNING3, pods(3), nodes(3), job=spec(replicas=2)),
+    ]
+    for obs in cases:
+        acts = [
+            a for a in decide(obs).actions if not isinstance(a, DeletePods) or a.names[0][1] != "0"
+        ]
+        mutating = [
+            i
+            for i, a in enumerate(acts)
+            if isinstance(a, CreateAttempt | DeleteAttempt | RequestCheckpoint)
+        ]
+        first_write = next(i for i, a in enumerate(acts) if isinstance(a, PatchStatus))
+        assert mutating and first_write < mutating[0], obs
+
+
+def test_a_rejected_pod_fails_the_attempt_with_the_apis_reason() -> None:
+    obs = observe(JobState(), [], nodes(3))
+    plan = pod_rejected(obs, 1, 3, 'pods "x" is forbidden: exceeded quota')
+    assert what(plan) == f"restart PodRejected {Cause.CRASH}"
+    assert "exceeded quota" in plan.status()["conditions"][0]["message"]
+    assert plan.status()["restarts"] == 1 and plan.status()["notBefore"] == 2.0
+    exhausted = pod_rejected(
+        observe(JobState(restarts=2, phase="Restarting", attempt=2), [], nodes(3)), 3, 3, "no"
     )
-    assert gone.action == "none" and gone.capacity_since is None  # the window resets
+    assert what(exhausted) == "fail MaxRestartsExceeded"
 
 
-def test_scale_up_can_be_disabled() -> None:
-    state = JobState(
-        phase="Running", attempt=2, world_size=2, pods_created=True, capacity_since=0.0
-    )
-    assert decide(spec(scale_up=False), state, pods(2), nodes(3), 100.0).action == "none"
+def test_the_last_checkpoint_reaches_status_from_the_job() -> None:
+    ckpt = {"step": 40, "time": "2026-12-01T00:00:00Z", "bytes": 10}
+    plan = decide(observe(RUNNING3, pods(3), nodes(3), last_checkpoint=ckpt))
+    assert plan.status()["lastCheckpoint"] == ckpt
+    same = dataclasses.replace(RUNNING3, last_checkpoint=ckpt, healthy_since=0.0)
+    assert decide(observe(same, pods(3), nodes(3), last_checkpoint=ckpt)).actions == ()
 
 
-def test_terminal_phases_are_final() -> None:
-    for phase in ("Succeeded", "Failed"):
-        assert decide(spec(), JobState(phase=phase, attempt=1), [], nodes(3), 0.0).action == "none"
+def test_the_first_start_pins_the_checkpoint_location() -> None:
+    assert decide(observe(JobState(), [], nodes(3))).status()["storage"] == {
+        "uri": "s3://b/p/ns/job-uid"
+    }
+    pinned = JobState(phase="Restarting", attempt=1, world_size=3, storage="s3://old")
+    assert "storage" not in decide(observe(pinned, [], nodes(3))).status()
+
+
+def test_capacity_is_what_fits_not_what_is_ready() -> None:
+    plan = decide(observe(JobState(), [], nodes(5), fits=["n1", "n3"]))
+    assert what(plan) == "start 2"
+    none = decide(observe(JobState(), [], nodes(5), fits=[]))
+    assert none.status()["conditions"][0]["reason"] == "InsufficientNodes"
 
 
 def test_backoff_doubles_and_caps() -> None:
-    s = spec(backoff_seconds=2.0)
-    assert [backoff(s, n) for n in (0, 1, 2, 3)] == [2.0, 4.0, 8.0, 16.0]
-    assert backoff(s, 30) == 300.0
+    s = spec()
+    assert [backoff(s, n) for n in range(3)] == [2.0, 4.0, 8.0]
+    assert backoff(s, 50) == 300.0
 
 
-def test_attempt_failure_ignores_finished_pods_on_lost_nodes() -> None:
-    done = [PodView("p0", 0, "Succeeded", "bad0")]
-    assert attempt_failure(done, nodes(0, not_ready=1), 1) is None
+def test_job_state_round_trips_what_decide_writes() -> None:
+    plan = decide(observe(JobState(), [], nodes(3), 7.0))
+    state = job_state(plan.status())
+    assert (state.phase, state.attempt, state.world_size, state.attempt_started) == (
+        "Running",
+        1,
+        3,
+        7.0,
+    )
+    assert state.pods_created  # the last write of the start plan
 
 
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({"replicas": 5, "maxReplicas": 4}, "spec.replicas=5 must be within"),
-        ({"template": {"spec": {"containers": []}}}, "spec.template.spec.containers is empty"),
-        ({"checkpoint": {}}, "spec.checkpoint.uri is missing"),
+        ({"replicas": 5, "maxReplicas": 4}, "spec.replicas=5"),
+        ({"template": {"spec": {"containers": []}}}, "spec.template.spec.containers"),
+        ({"backend": "mpi"}, "spec.backend='mpi'"),
+        ({"checkpoint": {}}, "spec.checkpoint.uri"),
+        (
+            {"failureDetection": {"heartbeatPeriodSeconds": 5, "heartbeatTimeoutSeconds": 10}},
+            "heartbeatTimeoutSeconds=10",
+        ),
     ],
 )
-def test_spec_errors_name_the_field(raw: dict[str, object], message: str) -> None:
-    body: dict[str, object] = {"checkpoint": {"uri": "s3://b/p"}, "template": TEMPLATE}
-    body.update(raw)
-    with pytest.raises(SpecError, match=message):
-        JobSpec.parse(body)
+def test_spec_errors_name_the_field(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(SpecError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        spec(**raw)
