@@ -1,11 +1,12 @@
 """etcd, kube-apiserver, kube-controller-manager and kube-scheduler on loopback.
 
 Started the way controller-runtime's envtest starts them (a private data dir, free ports,
-readiness polled, not assumed), plus what envtest leaves out and a node-loss test needs:
-the controller manager (node lifecycle, taint eviction, garbage collector, service
-accounts and their tokens, endpoints) and the scheduler. All traffic is TLS with client
-certificates, and the API server authorizes with Node,RBAC, so permission mistakes in our
-manifests fail here as they would on a real cluster.
+readiness polled, not assumed; a component that loses its port to another process before
+binding it is restarted on new ones, see ports.py), plus what envtest leaves out and a
+node-loss test needs: the controller manager (node lifecycle, taint eviction, garbage
+collector, service accounts and their tokens, endpoints) and the scheduler. All traffic
+is TLS with client certificates, and the API server authorizes with Node,RBAC, so
+permission mistakes in our manifests fail here as they would on a real cluster.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ from pathlib import Path
 from .binaries import Binaries
 from .certs import CertificateAuthority, CertPair, write_service_account_keys
 from .kubeconfig import write_kubeconfig
-from .processes import ManagedProcess, free_port, wait_until
+from .ports import ServerStart
+from .processes import ManagedProcess, wait_until
 
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+PORT_ATTEMPTS = 5
+"""How many times a component is started on new ports after losing its port to another
+process between our choosing it and its binding it."""
 
 
 @dataclass(kw_only=True)
@@ -77,9 +82,10 @@ class ControlPlane:
         return self.config.root / "logs"
 
     def start(self, with_apiserver: Callable[[], None] | None = None) -> ControlPlane:
-        """Starts every component; ``with_apiserver`` runs right after the API server is
-        launched, before it is ready (the cluster starts its node agents and DNS there:
-        they retry until it answers, and their start-up overlaps the API server's)."""
+        """Starts every component; ``with_apiserver`` runs as soon as the API server
+        listens on its port (``self.server`` is final), before it is ready (the cluster
+        starts its node agents and DNS there: they retry until it answers, and their
+        start-up overlaps the API server's)."""
         try:
             self._start(with_apiserver)
         except BaseException:
@@ -95,7 +101,6 @@ class ControlPlane:
         loopback = ("127.0.0.1",)
         service_ip = _first_service_ip(self.config.service_cluster_ip_range)
 
-        etcd_client, etcd_peer = free_port(), free_port()
         etcd_server = ca.issue(
             "etcd-server",
             common_name="etcd",
@@ -107,29 +112,30 @@ class ControlPlane:
         etcd_client_cert = ca.issue(
             "apiserver-etcd-client", common_name="kube-apiserver", client=True
         )
-        etcd_url = f"https://127.0.0.1:{etcd_client}"
-        self._spawn(
-            "etcd",
-            [
+
+        def etcd_argv(ports: tuple[int, ...]) -> list[str]:
+            client, peer = ports
+            return [
                 str(self.binaries.etcd),
                 "--name=default",
-                f"--data-dir={root / 'etcd'}",
-                f"--listen-client-urls={etcd_url}",
-                f"--advertise-client-urls={etcd_url}",
-                f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
-                f"--initial-cluster=default=http://127.0.0.1:{etcd_peer}",
+                f"--data-dir={root / 'etcd'}",  # not created when a listener fails
+                f"--listen-client-urls=https://127.0.0.1:{client}",
+                f"--advertise-client-urls=https://127.0.0.1:{client}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-cluster=default=http://127.0.0.1:{peer}",
                 f"--cert-file={etcd_server.cert}",
                 f"--key-file={etcd_server.key}",
                 f"--trusted-ca-file={ca.pair.cert}",
                 "--client-cert-auth",
                 "--unsafe-no-fsync",  # test data: speed over durability, as envtest does
                 "--log-level=warn",
-            ],
-        )
+            ]
 
-        port = free_port()
-        self.server = f"https://127.0.0.1:{port}"
+        # Bound before the API server starts: it is given etcd's final address.
+        etcd_client, _ = self._bound(self._start_on_free_ports("etcd", etcd_argv, ports=2))
+        etcd_url = f"https://127.0.0.1:{etcd_client}"
+
         serving = ca.issue(
             "apiserver",
             common_name="kube-apiserver",
@@ -149,16 +155,19 @@ class ControlPlane:
         self.admin_cert = ca.issue(
             "admin", common_name="ctj-admin", orgs=("system:masters",), client=True
         )
-        self.admin_kubeconfig = write_kubeconfig(
-            root / "admin.kubeconfig",
-            server=self.server,
-            ca_cert=ca.pair.cert,
-            client=self.admin_cert,
-            user="admin",
-        )
-        apiserver = self._spawn(
-            "kube-apiserver",
-            [
+        admin_cert = self.admin_cert
+
+        def apiserver_argv(ports: tuple[int, ...]) -> list[str]:
+            (port,) = ports
+            self.server = f"https://127.0.0.1:{port}"
+            self.admin_kubeconfig = write_kubeconfig(
+                root / "admin.kubeconfig",
+                server=self.server,
+                ca_cert=ca.pair.cert,
+                client=admin_cert,
+                user="admin",
+            )
+            return [
                 str(self.binaries.kube_apiserver),
                 "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1",
@@ -184,25 +193,31 @@ class ControlPlane:
                 "--allow-privileged=true",
                 "--profiling=false",
                 *self.config.extra_apiserver_args,
-            ],
-        )
+            ]
+
+        # Bound (it listens within a second or two, long before it is ready) before
+        # with_apiserver: what that starts is given the server's final address.
+        apiserver_start = self._start_on_free_ports("kube-apiserver", apiserver_argv)
+        self._bound(apiserver_start)
+        apiserver = apiserver_start.process
+        assert apiserver is not None
         if with_apiserver is not None:
             with_apiserver()
         ctx = ssl.create_default_context(cafile=str(ca.pair.cert))
         ctx.load_cert_chain(str(self.admin_cert.cert), str(self.admin_cert.key))
         self._wait_healthy(apiserver, f"{self.server}/readyz", ctx)
 
-        kcm_port = free_port()
         kcm_cert = ca.issue(
             "kube-controller-manager", client=True, common_name="system:kube-controller-manager"
         )
-        kcm = self._spawn(
+        kcm_kubeconfig = self._component_kubeconfig("kube-controller-manager", kcm_cert)
+        kcm_start = self._start_on_free_ports(
             "kube-controller-manager",
-            [
+            lambda ports: [
                 str(self.binaries.kube_controller_manager),
-                f"--kubeconfig={self._component_kubeconfig('kube-controller-manager', kcm_cert)}",
+                f"--kubeconfig={kcm_kubeconfig}",
                 "--bind-address=127.0.0.1",
-                f"--secure-port={kcm_port}",
+                f"--secure-port={ports[0]}",
                 f"--cert-dir={root / 'kube-controller-manager'}",
                 "--leader-elect=false",
                 "--controllers=*",
@@ -219,26 +234,30 @@ class ControlPlane:
                 *self.config.extra_controller_manager_args,
             ],
         )
-        scheduler_port = free_port()
         scheduler_cert = ca.issue(
             "kube-scheduler", client=True, common_name="system:kube-scheduler"
         )
-        scheduler = self._spawn(
+        scheduler_kubeconfig = self._component_kubeconfig("kube-scheduler", scheduler_cert)
+        scheduler_start = self._start_on_free_ports(
             "kube-scheduler",
-            [
+            lambda ports: [
                 str(self.binaries.kube_scheduler),
-                f"--kubeconfig={self._component_kubeconfig('kube-scheduler', scheduler_cert)}",
+                f"--kubeconfig={scheduler_kubeconfig}",
                 "--bind-address=127.0.0.1",
-                f"--secure-port={scheduler_port}",
+                f"--secure-port={ports[0]}",
                 f"--cert-dir={root / 'kube-scheduler'}",
                 "--leader-elect=false",
             ],
         )
+        # Their self-signed serving certificates prove nothing, but the port is bound by
+        # our own process (ServerStart checks), so whatever answers there is ours.
         insecure = ssl.create_default_context()
         insecure.check_hostname = False
         insecure.verify_mode = ssl.CERT_NONE
-        self._wait_healthy(kcm, f"https://127.0.0.1:{kcm_port}/healthz", insecure)
-        self._wait_healthy(scheduler, f"https://127.0.0.1:{scheduler_port}/healthz", insecure)
+        for start in (kcm_start, scheduler_start):
+            (port,) = self._bound(start)
+            assert start.process is not None
+            self._wait_healthy(start.process, f"https://127.0.0.1:{port}/healthz", insecure)
 
     def _component_kubeconfig(self, name: str, cert: CertPair) -> Path:
         assert self.ca is not None
@@ -283,6 +302,33 @@ class ControlPlane:
         proc = ManagedProcess(name=name, argv=argv, log_path=self.logs / f"{name}.log").start()
         self.processes.append(proc)
         return proc
+
+    def _start_on_free_ports(
+        self, name: str, argv: Callable[[tuple[int, ...]], list[str]], ports: int = 1
+    ) -> ServerStart[ManagedProcess]:
+        """Launches ``name`` on fresh ports (returns at once; ``_bound`` waits). Each
+        attempt is in ``self.processes`` while it runs, so ``stop()`` reaches it; an
+        attempt that lost its port is stopped and replaced there."""
+        attempts: list[ManagedProcess] = []
+
+        def launch(chosen: tuple[int, ...]) -> ManagedProcess:
+            for old in attempts:
+                if old in self.processes:
+                    self.processes.remove(old)
+            attempts[:] = [self._spawn(name, argv(chosen))]
+            return attempts[0]
+
+        return ServerStart(
+            launch,
+            ports=ports,
+            what=name,
+            attempts=PORT_ATTEMPTS,
+            timeout=self.config.start_timeout,
+        ).start()
+
+    def _bound(self, start: ServerStart[ManagedProcess]) -> tuple[int, ...]:
+        """The ports ``start``'s component listens on, once it does."""
+        return start.wait_bound()[1]
 
     def _wait_healthy(self, proc: ManagedProcess, url: str, ctx: ssl.SSLContext) -> None:
         def healthy() -> bool:

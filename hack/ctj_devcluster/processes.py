@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,11 +38,11 @@ def die_with_parent() -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the usual small race is fine
-    for tests: the server binding it fails loudly if it lost)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """ports.free_port (kept here for old imports): a port that was free a moment ago;
+    start servers on it with ports.retry_on_bind_conflict, which handles losing it."""
+    from .ports import free_port as choose
+
+    return choose()
 
 
 def wait_until(
@@ -84,6 +83,8 @@ class ManagedProcess:
     env: Mapping[str, str] | None = None
     cwd: Path | None = None
     popen: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    log_start: int = field(default=0, init=False)
+    """Where the latest start's output begins in ``log_path`` (the log is appended to)."""
 
     def __post_init__(self) -> None:
         if not self.argv:
@@ -92,6 +93,7 @@ class ManagedProcess:
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self.log_start = os.fstat(log.fileno()).st_size
             self.popen = subprocess.Popen(
                 list(self.argv),
                 stdin=subprocess.DEVNULL,
