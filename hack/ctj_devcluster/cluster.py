@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -45,7 +46,8 @@ class ClusterConfig:
     node_monitor_period: float = 1.0
     start_timeout: float = 90.0
     net: str = ""
-    """Loopback /16 for node and pod addresses, e.g. "127.10"; empty: the first free one."""
+    """Loopback /16 for node and pod addresses, e.g. "127.10"; empty: the first free one.
+    Claimed for the cluster's lifetime either way (a second cluster cannot take it)."""
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -74,7 +76,7 @@ class Cluster:
             self.binaries,
         )
         self.nodes: dict[str, NodeHandle] = {}
-        self.net = config.net or _free_loopback_net()
+        self.net, self._net_claim = _claim_loopback_net(config.net)
         root_id = hashlib.sha256(str(config.root.resolve()).encode()).hexdigest()[:10]
         self.shm_root = Path("/dev/shm/ctj-devcluster") / root_id
         self.dns: ManagedProcess | None = None
@@ -332,6 +334,9 @@ class Cluster:
             self.dns.stop()
         self.control_plane.stop()
         shutil.rmtree(self.shm_root, ignore_errors=True)
+        for claim in self._net_claim:
+            claim.close()
+        self._net_claim = []
 
     def _write_state(self) -> None:
         pids = {p.name: p.pid for p in self.control_plane.processes}
@@ -360,15 +365,55 @@ def _kube_version(binaries: Binaries) -> str:
     return "v1.34.0"
 
 
-def _free_loopback_net() -> str:
-    """The first 127.X (X >= 10) whose first node address has the kubelet port free: every
-    cluster on this machine gets its own addresses, so several can run at once."""
-    for x in range(10, 255):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the agent's server
-            try:
-                s.bind((f"127.{x}.1.1", 10250))
-            except OSError:
-                continue
-        return f"127.{x}"
+def _nets_in_use() -> set[str]:
+    """The 127.X (X >= 10) /16s some local TCP socket is bound in (a node, a pod, or a
+    cluster that does not claim its net as _claim_loopback_net does)."""
+    nets: set[str] = set()
+    try:
+        with open("/proc/net/tcp") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return nets
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 2:
+            continue
+        address = socket.inet_ntoa(struct.pack("<I", int(fields[1].split(":")[0], 16)))
+        first, second = address.split(".")[:2]
+        if first == "127" and int(second) >= 10:
+            nets.add(f"127.{second}")
+    return nets
+
+
+def _claim_loopback_net(wanted: str = "") -> tuple[str, list[socket.socket]]:
+    """A 127.X/16 for the cluster's node and pod addresses, claimed for as long as the
+    returned sockets stay open (they close with the process, however it ends).
+
+    The claim is an abstract Unix socket named after the net: binding it is atomic, and
+    a second cluster's bind fails until the first one's socket is closed, so two clusters
+    starting at once never share addresses (a probe of a port, as before, would race).
+    Nets where local TCP sockets already live are skipped. A TCP socket (no
+    SO_REUSEADDR) on <net>.1.1:10250 is also held when possible, so a launcher from
+    before the claim (it probed that port) keeps away too."""
+    in_use = set() if wanted else _nets_in_use()
+    candidates = [wanted] if wanted else [f"127.{x}" for x in range(10, 255)]
+    for net in candidates:
+        if net in in_use:
+            continue
+        claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            claim.bind(f"\0ctj-devcluster/net/{net}")
+        except OSError:
+            claim.close()
+            if wanted:
+                raise RuntimeError(f"loopback net {net} is in use by another cluster") from None
+            continue
+        claims = [claim]
+        legacy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            legacy.bind((f"{net}.1.1", 10250))
+            claims.append(legacy)
+        except OSError:
+            legacy.close()
+        return net, claims
     raise RuntimeError("no free 127.X/16 for the cluster's addresses")

@@ -3,9 +3,10 @@
 ``kubectl logs`` asks the API server, which connects to the node's kubelet endpoint
 (status.daemonEndpoints on the node's InternalIP) with its kubelet client certificate.
 Each agent serves ``/containerLogs/<ns>/<pod>/<container>`` (``follow``, ``tailLines``)
-and ``/healthz`` on <node IP>:10250 (every node has its own loopback address, so the port is
-the real one), with a serving certificate from the cluster CA, and accepts only clients
-whose certificate that CA signed. Logs hold every run of a container, appended.
+and ``/healthz`` on its node IP, on a port the kernel picks when it binds (port 0: nothing
+can take it first) and the agent posts in its Node's daemonEndpoints, where the API server
+looks, with a serving certificate from the cluster CA; it accepts only clients whose
+certificate that CA signed. Logs hold every run of a container, appended.
 """
 
 from __future__ import annotations
@@ -110,6 +111,11 @@ class KubeletServer(ThreadingHTTPServer):
         ctx.load_verify_locations(str(client_ca))
         ctx.verify_mode = ssl.CERT_REQUIRED
         self.socket = ctx.wrap_socket(self.socket, server_side=True)
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (the one the kernel chose, if it was given 0)."""
+        return int(self.server_address[1])
 
     def start(self) -> KubeletServer:
         threading.Thread(target=self.serve_forever, name="kubelet-api", daemon=True).start()

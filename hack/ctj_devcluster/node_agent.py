@@ -80,7 +80,9 @@ class NodeAgentConfig:
     serving_key: str = ""
     client_ca: str = ""
     """CA whose client certificates (the API server's) the kubelet API accepts."""
-    kubelet_port: int = 10250
+    kubelet_port: int = 0
+    """The kubelet API's port on the node IP; 0: whatever the kernel gives when it binds
+    (no race with anyone), posted in the Node's daemonEndpoints either way."""
     shm_root: str = "/dev/shm/ctj-devcluster/default"
     """Where memory-backed emptyDirs live (tmpfs); the launcher removes it at teardown, so
     volumes of pods on a killed node do not hold memory after the cluster is gone."""
@@ -131,6 +133,8 @@ class NodeAgent:
         self._free_ips = [f"{self.subnet}{n}" for n in range(254, 1, -1)]
         self._stopping = threading.Event()
         self.node_uid = ""
+        self.kubelet_port = config_.kubelet_port
+        """The kubelet API's actual port, once it listens (posted in daemonEndpoints)."""
         self._ready_since = now_rfc3339()
         capacity = {
             "cpu": config_.cpu,
@@ -212,7 +216,7 @@ class NodeAgent:
                 {"type": "InternalIP", "address": self.node_ip},
                 {"type": "Hostname", "address": self.config.name},
             ],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.config.kubelet_port}},
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_port}},
             "nodeInfo": {
                 "machineID": uuid.uuid5(uuid.NAMESPACE_DNS, self.config.name).hex,
                 "systemUUID": str(uuid.uuid5(uuid.NAMESPACE_DNS, self.config.name)),
@@ -345,13 +349,15 @@ class NodeAgent:
     def run(self) -> None:
         self.config.root.mkdir(parents=True, exist_ok=True)
         if self.config.serving_cert:
-            KubeletServer(
+            kubelet_api = KubeletServer(
                 (self.node_ip, self.config.kubelet_port),
                 cert=Path(self.config.serving_cert),
                 key=Path(self.config.serving_key),
                 client_ca=Path(self.config.client_ca),
                 locate=self.container_log,
             ).start()
+            self.kubelet_port = kubelet_api.port  # before registering: the Node posts it
+            log.info("kubelet API on %s:%d", self.node_ip, self.kubelet_port)
         self._register_when_possible()
         informer = Informer(
             self.api,
