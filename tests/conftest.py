@@ -10,11 +10,15 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from ctj_devcluster.local_s3 import LocalS3, free_port, wait_for_port
+from ctj_devcluster.local_s3 import LocalS3, wait_for_port
+from ctj_devcluster.ports import free_port, retry_on_bind_conflict
 
 from trainer_sidecar.config import default_staging_root
 
-__all__ = ["ROOT", "free_port", "wait_for_port"]
+__all__ = ["ROOT", "free_port", "retry_on_bind_conflict", "wait_for_port"]
+"""Ports: ``free_port()`` is a port free a moment ago (fine for "nothing listens here");
+to start a server on one, ``retry_on_bind_conflict(launch, ports=n, log=...)`` restarts
+it on new ports if another process binds the chosen one first (see ctj_devcluster.ports)."""
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
