@@ -48,6 +48,9 @@ class ClusterConfig:
     net: str = ""
     """Loopback /16 for node and pod addresses, e.g. "127.10"; empty: the first free one.
     Claimed for the cluster's lifetime either way (a second cluster cannot take it)."""
+    audit_log: bool = False
+    """The API server logs every request (level Metadata, JSON) to ``root/audit.log``:
+    ``Cluster.audit_log_path``, read with ``ctj_devcluster.audit``."""
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -72,6 +75,7 @@ class Cluster:
                 node_monitor_grace_period=config.node_monitor_grace_period,
                 node_monitor_period=config.node_monitor_period,
                 start_timeout=config.start_timeout,
+                audit_log=config.audit_log,
             ),
             self.binaries,
         )
@@ -87,6 +91,11 @@ class Cluster:
     @property
     def kubeconfig(self) -> Path:
         return self.control_plane.admin_kubeconfig
+
+    @property
+    def audit_log_path(self) -> Path:
+        """The API server's audit log (with ``ClusterConfig.audit_log``)."""
+        return self.control_plane.audit_log_path
 
     @property
     def dns_dir(self) -> Path:

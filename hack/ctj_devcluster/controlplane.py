@@ -30,6 +30,17 @@ PORT_ATTEMPTS = 5
 """How many times a component is started on new ports after losing its port to another
 process between our choosing it and its binding it."""
 
+AUDIT_POLICY = """\
+# Written by ctj_devcluster (ClusterConfig.audit_log): every request, at level Metadata
+# (who did what to which object, and the response code; no bodies), logged once it is
+# complete. Long-running requests (watch, exec, logs -f) also log ResponseStarted.
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+  - level: Metadata
+"""
+
 
 @dataclass(kw_only=True)
 class ControlPlaneConfig:
@@ -44,6 +55,9 @@ class ControlPlaneConfig:
     service_cluster_ip_range: str = "10.0.0.0/24"
     start_timeout: float = 90.0
     """Deadline for each component to become healthy."""
+    audit_log: bool = False
+    """Log every API request (level Metadata, stage ResponseComplete, JSON lines) to
+    ``root/audit.log``; read it with ctj_devcluster.audit."""
     extra_apiserver_args: tuple[str, ...] = ()
     extra_controller_manager_args: tuple[str, ...] = ()
 
@@ -80,6 +94,27 @@ class ControlPlane:
     @property
     def logs(self) -> Path:
         return self.config.root / "logs"
+
+    @property
+    def audit_log_path(self) -> Path:
+        """The API server's audit log (written only with ``config.audit_log``)."""
+        return self.config.root / "audit.log"
+
+    def _audit_args(self) -> list[str]:
+        if not self.config.audit_log:
+            return []
+        policy = self.config.root / "audit-policy.yaml"
+        policy.write_text(AUDIT_POLICY)
+        return [
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={self.audit_log_path}",
+            "--audit-log-format=json",
+            # blocking (the log backend's default, said explicitly): each event is written,
+            # unbuffered, in the request's own handler, not by a batching goroutine later
+            "--audit-log-mode=blocking",
+            "--audit-log-maxsize=100000",  # MB before rotating: never, in a test
+            "--audit-log-maxbackup=1",
+        ]
 
     def start(self, with_apiserver: Callable[[], None] | None = None) -> ControlPlane:
         """Starts every component; ``with_apiserver`` runs as soon as the API server
@@ -156,6 +191,7 @@ class ControlPlane:
             "admin", common_name="ctj-admin", orgs=("system:masters",), client=True
         )
         admin_cert = self.admin_cert
+        audit_args = self._audit_args()
 
         def apiserver_argv(ports: tuple[int, ...]) -> list[str]:
             (port,) = ports
@@ -192,6 +228,7 @@ class ControlPlane:
                 "--enable-admission-plugins=NodeRestriction",
                 "--allow-privileged=true",
                 "--profiling=false",
+                *audit_args,
                 *self.config.extra_apiserver_args,
             ]
 
