@@ -12,8 +12,9 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ctj_devcluster import Binaries, Cluster, ClusterConfig, ports
@@ -41,20 +42,15 @@ def _occupied(held: list[socket.socket]) -> int:
     return int(s.getsockname()[1])
 
 
-def _http_server(log: Path | None) -> object:
+def _http_server(log: Path | None) -> Callable[[tuple[int, ...]], subprocess.Popen[bytes]]:
     """launch(ports) for `python -m http.server` (a Python server that takes a port)."""
 
     def launch(chosen: tuple[int, ...]) -> subprocess.Popen[bytes]:
-        out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
-        try:
-            return subprocess.Popen(
-                [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(chosen[0])],
-                stdout=out,
-                stderr=out,
-            )
-        finally:
-            if log is not None:
-                out.close()  # type: ignore[union-attr]
+        argv = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(chosen[0])]
+        if log is None:
+            return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(log, "ab") as out:
+            return subprocess.Popen(argv, stdout=out, stderr=out)
 
     return launch
 
@@ -80,7 +76,7 @@ def test_python_server_retries_when_its_port_is_taken(
     monkeypatch.setattr(ports, "free_port", chooser)
     log = tmp_path / "server.log" if with_log else None
     proc, (port,) = retry_on_bind_conflict(
-        _http_server(log),  # type: ignore[arg-type]
+        _http_server(log),
         what="http.server",
         log=log,
         timeout=30,
@@ -117,7 +113,7 @@ def test_gives_up_after_the_attempts(occupy: list[socket.socket], tmp_path: Path
     log = tmp_path / "server.log"
     with pytest.raises(BindConflict, match="2 times"):
         retry_on_bind_conflict(
-            _http_server(log),  # type: ignore[arg-type]
+            _http_server(log),
             what="http.server",
             log=log,
             attempts=2,
@@ -156,7 +152,7 @@ def test_control_plane_starts_although_each_component_loses_its_first_ports(
     original_pick = ServerStart._pick
     taken: dict[str, list[int]] = {}
 
-    def rigged(self: ServerStart[object]) -> tuple[int, ...]:  # type: ignore[type-var]
+    def rigged(self: ServerStart[Any]) -> tuple[int, ...]:
         chosen = list(original_pick(self))
         # attempt 1 loses its last port, attempt 2 its first (etcd: peer, then client)
         index = {1: len(chosen) - 1, 2: 0}.get(self.attempt)
