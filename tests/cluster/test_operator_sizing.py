@@ -310,7 +310,9 @@ def test_ranks_the_scheduler_cannot_place_end_the_attempt_as_unschedulable(
         failureDetection={"schedulingTimeoutSeconds": 10},
     )
     st = wait_for(
-        lambda: (s := status(op_cluster, ns, name)).get("attempt") == 1 and s.get("podsCreated"),
+        lambda: (
+            (s := status(op_cluster, ns, name)).get("attempt") == 1 and s.get("podsCreated") and s
+        ),
         "attempt 1 created",
         60,
     )
