@@ -31,7 +31,7 @@ FROM base AS trainer-deps
 # torch from PyPI is the CUDA build; for a CPU-only image pass
 #   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_INDEX_URL=https://pypi.org/simple
-ARG TRAINER_PACKAGES="numpy boto3 blake3 zstandard tqdm safetensors prometheus-client"
+ARG TRAINER_PACKAGES="numpy boto3 blake3 zstandard tqdm safetensors prometheus-client kubernetes"
 COPY requirements/dev.txt /tmp/dev.txt
 RUN set -eu; \
     grep -E "^torch==" /tmp/dev.txt > /tmp/torch.txt \

@@ -326,17 +326,26 @@ class PodWorker:
         return podspec.pod_phase(self.restart_policy, codes)
 
     def _kill_all(self, grace: float) -> None:
-        running = [
-            c
-            for c in self.init_containers + self.containers
-            if c.proc is not None and c.proc.poll() is None
-        ]
+        """A kubelet's termination: the regular containers first (SIGTERM, then SIGKILL at
+        the deadline), then the native sidecars in reverse order with what is left of the
+        grace period (at least 2 s), so a sidecar outlives the containers it serves."""
+        deadline = time.monotonic() + grace
+        sidecars = [c for c in self.init_containers if c.sidecar]
+        others = [c for c in self.init_containers + self.containers if c not in sidecars]
+        self._terminate(others, deadline)
+        self._terminate(list(reversed(sidecars)), max(deadline, time.monotonic() + 2.0))
+        for c in self.init_containers + self.containers:
+            self._reap(c)
+            if c.terminated is not None:
+                c.done = True
+
+    def _terminate(self, containers: list[Any], deadline: float) -> None:
+        running = [c for c in containers if c.proc is not None and c.proc.poll() is None]
         for c in running:
             self.agent.pod_api.record_event(
                 self.pod, "Normal", "Killing", f"Stopping container {c.name}"
             )
             _signal_group(c.proc, signal.SIGTERM)
-        deadline = time.monotonic() + grace
         for c in running:
             assert c.proc is not None
             try:
@@ -345,10 +354,6 @@ class PodWorker:
                 pass
             _signal_group(c.proc, signal.SIGKILL)
             c.proc.wait()
-        for c in self.init_containers + self.containers:
-            self._reap(c)
-            if c.terminated is not None:
-                c.done = True
 
     def _condition(self, kind: str, ok: bool, reason: str) -> dict[str, Any]:
         """A pod condition whose lastTransitionTime moves only when its status does."""

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # "Timer succeeded" each second
     api = _api_client(args.kubeconfig)
     Cluster.connect(api, sidecar_image=args.sidecar_image)
     if _has_pytorchjobs(api):
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             handlers.ctj_pytorchjobs
         )
         Cluster.pytorchjob_index = True
+    from prometheus_client import start_http_server
+
+    start_http_server(args.metrics_port, registry=METRICS.registry)  # a standby's too
     if not args.no_leader_election:
         leader = LeaderElection(
             client.CoordinationV1Api(api),
@@ -112,9 +116,6 @@ def main(argv: list[str] | None = None) -> int:
         def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
             return kopf.login_with_kubeconfig(**kwargs)  # reads KUBECONFIG when called
 
-    from prometheus_client import start_http_server
-
-    start_http_server(args.metrics_port, registry=METRICS.registry)
     if Cluster.leader is not None:
         stop_leader = Cluster.leader.release
 

@@ -53,6 +53,7 @@ class PodView:
     terminating: bool = False
     reason: str | None = None  # e.g. Evicted
     waiting: str = ""  # why it is not running yet (the scheduler's message)
+    phase_age: float | None = None  # seconds since the operator saw its phase change
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -245,6 +246,16 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
                 return Ending("PodEvicted", f"pod {p.name} was evicted", Cause.NODE)
             if p.node_name and (node is None or not node.ready):
                 return Ending("NodeNotReady", f"pod {p.name} failed on lost node", Cause.NODE)
+            quiet = _silent_since_failure(obs, current, p)
+            if quiet is not None:  # a peer went quiet: wait to learn whether it is lost
+                age = p.phase_age or 0.0
+                if age < spec.detection.heartbeat_timeout_seconds:
+                    return None
+                msg = (
+                    f"rank {quiet.node_rank} (pod {quiet.name} on {quiet.node_name}) "
+                    f"sent no heartbeat since pod {p.name} failed"
+                )
+                return Ending("HeartbeatLost", msg, Cause.NODE, (quiet.node_name or "",))
             why = f" ({p.reason})" if p.reason else ""
             return Ending("PodFailed", f"pod {p.name} failed{why}", Cause.CRASH)
         if p.phase == "Succeeded":
@@ -281,6 +292,25 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
         )
         cap = max(scheduled, spec.min_replicas)
         return Ending("Unschedulable", msg, Cause.NODE, size_cap=cap)
+    return None
+
+
+def _silent_since_failure(
+    obs: Observation, current: Sequence[PodView], failed: PodView
+) -> PodView | None:
+    """A rank still Running that has not beaten since ``failed`` failed, if any.
+
+    When a node dies, the ranks that survive it crash at once (their collective breaks)
+    while the lost rank still reads Running. Such a failure is the node's, not the job's:
+    it is judged a crash only once every rank still running has beaten since (or, after
+    the heartbeat timeout, a lost node: HeartbeatLost)."""
+    if failed.phase_age is None:
+        return None
+    for q in sorted(current, key=lambda q: q.node_rank):
+        silent = obs.beats.get(q.node_rank)
+        if q.phase == "Running" and q.node_name and silent is not None:
+            if silent >= failed.phase_age:
+                return q
     return None
 
 

@@ -60,6 +60,8 @@ log = logging.getLogger("ctj.operator")
 METRICS = OperatorMetrics()
 BEATS = Freshness()  # (namespace, lease) -> a rank's heartbeat
 KUBELETS = Freshness()  # node -> its kubelet's Lease in kube-node-lease
+PHASES = Freshness()  # (namespace, pod) -> its phase
+_FITS: dict[str, int] = {}  # job uid -> nodes that fit a rank, last logged
 _WRITTEN: dict[str, str] = {}  # job uid -> resourceVersion of our last status write
 
 
@@ -93,7 +95,9 @@ class Cluster:
 
 @kopf.index("pods", labels={LABEL_JOB: kopf.PRESENT})
 def ctj_pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
-    return {(namespace, labels[LABEL_JOB]): pod_summary(body)}
+    summary = pod_summary(body)
+    PHASES.see((namespace, summary["name"]), summary["phase"])
+    return {(namespace, labels[LABEL_JOB]): summary}
 
 
 @kopf.index("pods")
@@ -191,7 +195,10 @@ def reconcile(body: kopf.Body, name: str, namespace: str | None, uid: str, **ind
         return
     key = (namespace, name)
     uri = state.storage or job_checkpoint_uri(spec, namespace, name, uid)
-    pods = [pod_view(s) for s in _values(indexes["ctj_pods"], key)]
+    pods = [
+        pod_view(s, PHASES.silent_for((namespace, s["name"])))
+        for s in _values(indexes["ctj_pods"], key)
+    ]
     if spec.backend == "pytorchjob" and state.attempt and state.pods_created:
         pods = _pytorchjob_views(name, namespace, state, indexes.get("ctj_pytorchjobs"))
     nodes = [s for store in indexes["cluster_nodes"].values() for s in store]
@@ -211,6 +218,15 @@ def reconcile(body: kopf.Body, name: str, namespace: str | None, uid: str, **ind
         now=time.time(),
         **_capacity(raw, spec, uri, nodes, indexes["node_usage"], key),
     )
+    if _FITS.get(uid) != len(obs.fits):
+        _FITS[uid] = len(obs.fits)
+        log.info(
+            "%s/%s: %d nodes fit a rank%s",
+            namespace,
+            name,
+            len(obs.fits),
+            f" ({obs.rejected})" if obs.rejected else "",
+        )
     plan = decide(obs)
     if (
         plan.actions
@@ -458,3 +474,4 @@ def forget(name: str, namespace: str | None, uid: str, **_: Any) -> None:
     assert namespace is not None
     METRICS.job_phase(namespace, name, None)
     _WRITTEN.pop(uid, None)
+    _FITS.pop(uid, None)

@@ -42,7 +42,7 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def pod_view(s: Mapping[str, Any]) -> PodView:
+def pod_view(s: Mapping[str, Any], phase_age: float | None = None) -> PodView:
     return PodView(
         name=s["name"],
         attempt=s["attempt"],
@@ -52,6 +52,7 @@ def pod_view(s: Mapping[str, Any]) -> PodView:
         terminating=s["terminating"],
         reason=s["reason"],
         waiting=s["waiting"],
+        phase_age=phase_age,
     )
 
 

@@ -19,7 +19,7 @@ import yaml
 from ctj_devcluster import Binaries, Cluster, ClusterConfig
 from kubernetes import client
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, retry_on_bind_conflict
 
 CRD = Path(ROOT) / "crds" / "training.ctj.dev_checkpointedtrainingjobs.yaml"
 EXAMPLE = Path(ROOT) / "examples" / "job.yaml"
@@ -64,29 +64,51 @@ def op_cluster(
 class OperatorProcess:
     """`python -m ctj_operator` against the cluster, its log in a file."""
 
-    def __init__(self, cluster: Cluster, log: Path, kubeconfig: Path | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        log: Path,
+        kubeconfig: Path | None = None,
+        extra_args: tuple[str, ...] = (),
+        lease: str | None = None,
+    ) -> None:
+        """``lease``: the leader-election Lease; replicas that share one elect a leader.
+        By default each process has its own (it leads at once: a test does not wait out
+        the previous test's killed operator's Lease)."""
         self.cluster, self.log = cluster, log
         self.kubeconfig = kubeconfig or cluster.kubeconfig
-        self.metrics_port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.lease = lease or f"ctj-operator-{uuid.uuid4().hex[:8]}"
+        self.extra_args = ("--leader-election-name", self.lease, *extra_args)
+        self.metrics_port = self.liveness_port = 0
+        self.proc: Any = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ctj_operator",
-                "--kubeconfig",
-                str(self.kubeconfig),
-                "--metrics-port",
-                str(self.metrics_port),
-                "--liveness-port",
-                str(free_port()),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.log, "a"),  # noqa: SIM115
-            cwd=ROOT,
-            env=dict(os.environ),
+        """Starts it and returns once its ports listen (a standby's too), on ports that are
+        chosen again if someone took them first (no bind race)."""
+
+        def launch(ports: list[int]) -> subprocess.Popen[bytes]:
+            with open(self.log, "ab") as err:
+                return subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "ctj_operator",
+                        "--kubeconfig",
+                        str(self.kubeconfig),
+                        "--metrics-port",
+                        str(ports[0]),
+                        "--liveness-port",
+                        str(ports[1]),
+                        *self.extra_args,
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    cwd=ROOT,
+                    env=dict(os.environ),
+                )
+
+        self.proc, (self.metrics_port, self.liveness_port) = retry_on_bind_conflict(
+            launch, ports=2, what="ctj_operator", log=self.log, timeout=60
         )
 
     def kill(self) -> None:

@@ -435,3 +435,22 @@ def test_job_state_round_trips_what_decide_writes() -> None:
 def test_spec_errors_name_the_field(raw: dict[str, Any], message: str) -> None:
     with pytest.raises(SpecError, match=message.replace("[", r"\[").replace(".", r"\.")):
         spec(**raw)
+
+
+def test_survivors_crashing_because_a_node_died_is_the_nodes_fault() -> None:
+    """Kill a node: its rank still reads Running (silent), the others fail at once."""
+    the_pods = [pod(0, "Failed", phase_age=3.0), pod(1, "Failed", phase_age=3.0), pod(2)]
+    beats: dict[int, float | None] = {0: 3.5, 1: 3.5, 2: 4.0}
+    assert what(decide(observe(RUNNING3, the_pods, nodes(3), 3.0, beats=beats))) == "wait"
+    late = [pod(0, "Failed", phase_age=10.5), pod(1, "Failed", phase_age=10.5), pod(2)]
+    beats = {0: 11.0, 1: 11.0, 2: 11.5}
+    plan = decide(observe(RUNNING3, late, nodes(3), 10.5, beats=beats))
+    assert what(plan) == "restart HeartbeatLost node"
+    assert plan.status()["suspectNodes"] == {"n2": 10.5}
+
+
+def test_a_crash_with_every_running_peer_beating_is_the_jobs() -> None:
+    the_pods = [pod(0, "Failed", phase_age=3.0), pod(1), pod(2)]
+    beats: dict[int, float | None] = {1: 0.5, 2: 1.0}
+    plan = decide(observe(RUNNING3, the_pods, nodes(3), 3.0, beats=beats))
+    assert what(plan) == "restart PodFailed crash"
