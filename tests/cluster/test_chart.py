@@ -160,7 +160,7 @@ def test_service_monitor_only_when_enabled(helm: Any) -> None:
 
 
 def test_schema_rejects_bad_values(helm: Any) -> None:
-    for bad in ("replicaCount=2", "image.pullPolicy=Sometimes", "imageTag=typo"):
+    for bad in ("replicaCount=-1", "image.pullPolicy=Sometimes", "imageTag=typo"):
         proc = helm("template", "x", str(CHART), "--set", bad, check=False)
         assert proc.returncode != 0, f"--set {bad} rendered"
         assert "values don't meet the specifications of the schema" in proc.stderr
