@@ -42,7 +42,6 @@ from . import __version__, collectives
 from .config import CheckpointConfig, job_staging_dir
 from .errors import CheckpointError, SaveFailed
 from .format.manifest import Manifest, SaveIdentity
-from .heartbeat import read_request, request_path
 from .load.restore import LoadResult, RestoreSettings, restore
 from .metrics import CheckpointMetrics, serve
 from .save import slots, staging
@@ -170,7 +169,7 @@ class Checkpointer:
         self.root = job_staging_dir(config)
         self.metrics = metrics or CheckpointMetrics()
         self._preempted = False
-        self._request_file = str(request_path(self.root))  # the sidecar writes it
+        self._request_file = str(slots.request_path(self.root))  # the sidecar writes it
         self._lock = slots.RankLock(self.root, self.rank)
         self._opened = False
         self._persister: Persister | None = None
@@ -276,7 +275,7 @@ class Checkpointer:
         """The id of the operator's checkpoint request this pod's sidecar wrote into the
         staging root, or None. Local, not collective: ranks of other pods may see None
         while ``preemption_requested()`` is True on all of them."""
-        return read_request(self.root)
+        return slots.read_request(self.root)
 
     def handle_sigterm(self) -> None:
         """On SIGTERM, only note it: the loop saves at the next step boundary and exits."""

@@ -40,12 +40,12 @@ from typing import Any, Protocol
 from . import __version__
 from .errors import CheckpointError
 from .metrics import HeartbeatMetrics
+from .save.slots import read_request, request_path, write_request
 
 log = logging.getLogger("ctj.heartbeat")
 
 LAST_CHECKPOINT = "training.ctj.dev/last-checkpoint"
 CHECKPOINT_REQUEST = "training.ctj.dev/checkpoint-request"
-REQUEST_FILE = "checkpoint-request"
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 DEFAULT_PERIOD_S = 2.0
 LOG_EVERY_S = 30.0
@@ -171,33 +171,6 @@ class RateLimitedLog:
         self._suppressed = 0
         self._last_logged = None
         return True
-
-
-# -- the request file (read by the trainer's Checkpointer) ---------------------------------
-
-
-def request_path(root: Path) -> Path:
-    return Path(root) / REQUEST_FILE
-
-
-def write_request(root: Path, request_id: str) -> Path:
-    """Write the request id to ``<root>/checkpoint-request`` atomically (tmp + rename)."""
-    path = request_path(root)
-    tmp = path.with_name(f".{REQUEST_FILE}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(request_id)
-    os.replace(tmp, path)
-    return path
-
-
-def read_request(root: Path) -> str | None:
-    """The checkpoint request id in the staging root, or None."""
-    try:
-        text = request_path(root).read_text(errors="replace").strip()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return text or None
 
 
 # -- settings ------------------------------------------------------------------------

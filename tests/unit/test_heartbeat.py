@@ -21,6 +21,7 @@ from tests.conftest import ROOT
 from trainer_sidecar import heartbeat as hb
 from trainer_sidecar.errors import CheckpointError
 from trainer_sidecar.metrics import CheckpointMetrics, HeartbeatMetrics
+from trainer_sidecar.save import slots
 
 T0 = 1796126400.123456  # 2026-12-01T12:00:00.123456Z
 
@@ -178,7 +179,7 @@ def test_a_lease_already_carrying_the_value_is_not_patched_with_it(tmp_path: Pat
 def test_a_new_request_id_is_written_atomically_once(tmp_path: Path) -> None:
     beat, lease, _ = make(tmp_path)
     beat.beat()
-    assert hb.read_request(tmp_path) is None and not (tmp_path / hb.REQUEST_FILE).exists()
+    assert slots.read_request(tmp_path) is None and not (tmp_path / slots.REQUEST_FILE).exists()
     lease.annotations[hb.CHECKPOINT_REQUEST] = "resize-3"
     beat.beat()
     path = tmp_path / "checkpoint-request"
@@ -197,17 +198,17 @@ def test_an_empty_request_annotation_is_no_request(tmp_path: Path) -> None:
     beat, lease, _ = make(tmp_path)
     lease.annotations[hb.CHECKPOINT_REQUEST] = "  "
     beat.beat()
-    assert hb.read_request(tmp_path) is None
+    assert slots.read_request(tmp_path) is None
 
 
 def test_a_request_already_in_the_root_is_known_at_start(tmp_path: Path) -> None:
-    hb.write_request(tmp_path, "resize-3")
+    slots.write_request(tmp_path, "resize-3")
     beat, lease, _ = make(tmp_path)
     assert beat.request_seen == "resize-3"
     lease.annotations[hb.CHECKPOINT_REQUEST] = "resize-3"
-    os.utime(tmp_path / hb.REQUEST_FILE, (0, 0))
+    os.utime(tmp_path / slots.REQUEST_FILE, (0, 0))
     beat.beat()
-    assert (tmp_path / hb.REQUEST_FILE).stat().st_mtime == 0  # not rewritten
+    assert (tmp_path / slots.REQUEST_FILE).stat().st_mtime == 0  # not rewritten
 
 
 def test_a_request_that_cannot_be_written_is_tried_again(
@@ -221,7 +222,7 @@ def test_a_request_that_cannot_be_written_is_tried_again(
     assert "writing" in caplog.text and "failed" in caplog.text and beat.request_seen is None
     root.mkdir(mode=0o700)
     beat.beat()
-    assert hb.read_request(root) == "resize-3"
+    assert slots.read_request(root) == "resize-3"
 
 
 # -- failures: one line, rate-limited ---------------------------------------------------------
@@ -360,7 +361,7 @@ def test_a_request_file_is_a_preemption_request(tmp_path: Path) -> None:
     )
     assert not ckpt.preemption_requested() and ckpt.checkpoint_request() is None
     ckpt.root.mkdir(parents=True)
-    hb.write_request(ckpt.root, "resize-3")
+    slots.write_request(ckpt.root, "resize-3")
     assert ckpt.preemption_requested() and ckpt.checkpoint_request() == "resize-3"
 
 

@@ -219,3 +219,32 @@ def read_state(root: Path, uri: str) -> Committed | None:
     if raw.pop("uri", None) != uri:
         return None
     return Committed(**raw)
+
+
+# -- the checkpoint request (the sidecar writes it from its Lease; the Checkpointer reads it)
+
+REQUEST_FILE = "checkpoint-request"
+
+
+def request_path(root: Path) -> Path:
+    return Path(root) / REQUEST_FILE
+
+
+def write_request(root: Path, request_id: str) -> Path:
+    """Write the request id to ``<root>/checkpoint-request`` atomically (tmp + rename)."""
+    path = request_path(root)
+    tmp = path.with_name(f".{REQUEST_FILE}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(request_id)
+    os.replace(tmp, path)
+    return path
+
+
+def read_request(root: Path) -> str | None:
+    """The checkpoint request id in the staging root, or None."""
+    try:
+        text = request_path(root).read_text(errors="replace").strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return text or None
