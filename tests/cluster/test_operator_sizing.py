@@ -435,6 +435,61 @@ def test_a_pod_over_quota_fails_the_attempt_then_the_job_never_retrying_silently
     )
 
 
+def test_an_attempt_resumed_under_a_quota_its_own_pods_fill_is_not_rejected(
+    op_cluster: Cluster, job_namespace: str, submit: Submit
+) -> None:
+    """An operator killed after creating every pod of an attempt, before writing
+    ``podsCreated: true``, creates the attempt again and ignores the 409s (docs/operator.md,
+    "Status before objects"). Under a quota the job's own pods fill, the API answers that
+    re-create with a 403 "exceeded quota" (quota admission runs before the name is looked
+    up), which is no rejection: every pod exists."""
+    ns, name = job_namespace, "resumed"
+    api = core(op_cluster)
+    api.create_namespaced_resource_quota(
+        ns, {"metadata": {"name": "two-pods"}, "spec": {"hard": {"pods": "2"}}}
+    )
+    wait_for(
+        lambda: (api.read_namespaced_resource_quota("two-pods", ns).status.hard or {}).get("pods"),
+        "the quota's status",
+        60,
+    )
+    submit(
+        name,
+        pod={"nodeSelector": {"pool": "cpu"}},
+        replicas=2,
+        minReplicas=1,
+        maxReplicas=2,
+        restartPolicy={"maxRestarts": 3, "backoffSeconds": 0.5},
+    )
+
+    def started_or_ended() -> dict[str, Any] | None:
+        st = status(op_cluster, ns, name)
+        return st if _conditions(st).get("Restarted") else running(op_cluster, ns, name, 1, 2)
+
+    # even unkilled, the operator takes that path when kopf's own first patch of the job
+    # (its finalizer) makes the podsCreated write a 409
+    st = wait_for(started_or_ended, "attempt 1 at world size 2 (or its end)", 120)
+    assert not _conditions(st).get("Restarted"), _conditions(st)["Restarted"]
+    # the status such an operator leaves, written for it (as test_operator_idempotence does)
+    custom(op_cluster).patch_namespaced_custom_object_status(
+        GROUP, VERSION, ns, PLURAL, name, {"status": {"podsCreated": False}}
+    )
+    st = wait_for(
+        lambda: (
+            (
+                (s := status(op_cluster, ns, name)).get("podsCreated")
+                or _conditions(s).get("Restarted")
+            )
+            and s
+        ),
+        "the operator to finish creating attempt 1 (or end it)",
+        60,
+    )
+    assert not _conditions(st).get("Restarted"), _conditions(st)["Restarted"]
+    assert (st["attempt"], st.get("restarts", 0)) == (1, 0), st
+    assert running(op_cluster, ns, name, 1, 2)
+
+
 # ---------------------------------------------------------------- 6: the CRD's CEL rules
 
 
