@@ -343,7 +343,16 @@ def target_size(obs: Observation, suspect: Mapping[str, float]) -> int:
 def decide(obs: Observation) -> Plan:
     state = obs.state
     if state.phase in TERMINAL:
-        return Plan(tuple(_older(obs)))
+        # a Failed job runs nothing: e.g. the pods created before one the API rejected
+        running = tuple(
+            p.name
+            for p in obs.pods
+            if state.phase == "Failed"
+            and p.attempt == state.attempt
+            and not p.terminating
+            and p.phase not in TERMINAL
+        )
+        return Plan((*_older(obs), *([DeletePods(running)] if running else [])))
     newer = [p for p in obs.pods if p.attempt > state.attempt]
     if newer:
         return Plan(

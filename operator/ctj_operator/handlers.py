@@ -380,12 +380,24 @@ def _api_message(exc: ApiException) -> str:
         return str(exc.reason)
 
 
-def _create(fn: Any, *args: Any) -> None:
+def _create(fn: Any, *args: Any, exists: Any = None) -> None:
+    """Create, where already there (409: a retry after a restart) is success. ``exists``
+    (a zero-argument read) settles a refusal: admission such as a ResourceQuota runs
+    before the API server finds the name taken, so re-creating a pod that exists can be
+    a 403 'exceeded quota' rather than a 409."""
     try:
         fn(*args)
     except ApiException as exc:
-        if exc.status != 409:  # already there: a retry after a restart
-            raise
+        if exc.status == 409:
+            return
+        if exists is not None and exc.status in (400, 403, 422):
+            try:
+                exists()
+                return
+            except ApiException as read:
+                if read.status != 404:
+                    raise exc from read
+        raise
 
 
 def _create_or_replace_role(namespace: str, role: dict[str, Any]) -> None:
@@ -428,7 +440,13 @@ def _create_attempt(
         pod = builders.build_pod(
             body, spec, uri=uri, attempt=attempt, world_size=world_size, node_rank=rank
         )
-        _create(Cluster.core.create_namespaced_pod, namespace, pod)
+        name = pod["metadata"]["name"]
+        _create(
+            Cluster.core.create_namespaced_pod,
+            namespace,
+            pod,
+            exists=lambda name=name: Cluster.core.read_namespaced_pod(name, namespace),
+        )
 
 
 def _delete_pods(namespace: str, names: Iterable[str], *, force: bool) -> None:

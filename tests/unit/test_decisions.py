@@ -454,3 +454,12 @@ def test_a_crash_with_every_running_peer_beating_is_the_jobs() -> None:
     beats: dict[int, float | None] = {1: 0.5, 2: 1.0}
     plan = decide(observe(RUNNING3, the_pods, nodes(3), 3.0, beats=beats))
     assert what(plan) == "restart PodFailed crash"
+
+
+def test_a_failed_job_deletes_what_still_runs_of_its_last_attempt() -> None:
+    """E.g. rank 0 created before the API rejected rank 1, at maxRestarts."""
+    failed = dataclasses.replace(RUNNING3, phase="Failed")
+    plan = decide(observe(failed, [pod(0), pod(1, "Failed")], nodes(3)))
+    assert plan.actions == (DeletePods(("a1-0",)),)
+    done = dataclasses.replace(RUNNING3, phase="Succeeded")
+    assert decide(observe(done, pods(3, "Succeeded"), nodes(3))).actions == ()
