@@ -336,8 +336,13 @@ def _apply(
             except ApiException as exc:
                 if exc.status in (409, 429) or exc.status is None or exc.status >= 500:
                     raise  # not the pod's fault: kopf retries the tick
+                if _namespace_terminating(exc):  # the job goes with its namespace
+                    log.info("%s/%s: namespace terminating, nothing started", namespace, name)
+                    return
                 message = _api_message(exc)
-                log.warning("%s/%s: pod rejected: %s", namespace, name, message)
+                log.warning(
+                    "%s/%s: the attempt's objects were rejected: %s", namespace, name, message
+                )
                 rejected = pod_rejected(obs, action.attempt, action.world_size, message)
                 body = {**body, "metadata": {**meta, "resourceVersion": rv}}
                 _apply(body, spec, rejected, uri=uri, obs=obs)
@@ -371,6 +376,14 @@ def _patch_status(namespace: str, name: str, uid: str, fields: dict[str, Any], r
     new = str(result["metadata"]["resourceVersion"])
     _WRITTEN[uid] = new
     return new
+
+
+def _namespace_terminating(exc: ApiException) -> bool:
+    try:
+        causes = (json.loads(exc.body or "{}").get("details") or {}).get("causes") or []
+    except ValueError:
+        return False
+    return any(c.get("reason") == "NamespaceTerminating" for c in causes)
 
 
 def _api_message(exc: ApiException) -> str:
