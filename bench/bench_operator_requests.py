@@ -130,7 +130,9 @@ class Row:
         return watches / self.minutes
 
     def other_per_min(self) -> float:
-        return self.operator_per_min() - self.leader_per_min() - self.watches_per_min()
+        """Neither the leader Lease nor a watch: what the jobs themselves cost."""
+        other = Counter(self.operator) - Counter(self.leader)
+        return sum(n for k, n in other.items() if not k.startswith("watch ")) / self.minutes
 
     def operator_per_job_min(self) -> float:
         return self.operator_per_min() / self.jobs
@@ -464,9 +466,14 @@ def _ratio(big: float, small: float) -> float | None:
     return big / small if small else None
 
 
+def _extremes(rows: list[Row]) -> tuple[Row, Row]:
+    """The smallest and the largest configuration (nodes x jobs)."""
+    size = lambda r: (r.nodes * r.jobs, r.jobs)  # noqa: E731
+    return min(rows, key=size), max(rows, key=size)
+
+
 def _ratios(rows: list[Row]) -> dict[str, float | None]:
-    small = min(rows, key=lambda r: (r.nodes * r.jobs, r.jobs))
-    big = max(rows, key=lambda r: (r.nodes * r.jobs, r.jobs))
+    small, big = _extremes(rows)
     a, b = big.summary(), small.summary()
     return {
         f"{name}_largest_over_smallest": _ratio(a[name], b[name])
@@ -477,6 +484,17 @@ def _ratios(rows: list[Row]) -> dict[str, float | None]:
             "sidecar_req_per_rank_min",
         )
     }
+
+
+def _commit() -> str:
+    """The checkout measured: HEAD, with "+dirty" if operator/ has uncommitted changes."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
+
+    dirty = git("status", "--porcelain", "--", "operator").strip()
+    return git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if dirty else "")
 
 
 def _ints(text: str) -> list[int]:
@@ -526,6 +544,11 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(rows))
     ratios = _ratios(rows) if len(rows) > 1 else {}
     print()
+    if ratios:
+        small, big = _extremes(rows)
+        print(f"ratios: {big.nodes} nodes x {big.jobs} jobs / {small.nodes} x {small.jobs}")
+        if not (small.steady and big.steady):
+            print("  (not both steady: these divide a restart storm's figures, see below)")
     for name, value in ratios.items():
         print(f"{name}: {'n/a (0 in the smallest)' if value is None else f'{value:.2f}'}")
     for r in rows:
@@ -543,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "wall_s": round(time.monotonic() - began, 1),
+            "commit": _commit(),
             "config": {k: v for k, v in vars(args).items() if k not in ("json", "keep_logs")},
             "machine": {
                 "nproc": os.cpu_count(),
