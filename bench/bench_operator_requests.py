@@ -375,12 +375,16 @@ def measure(nodes: int, jobs: int, args: argparse.Namespace) -> Row:
         time.sleep(3)  # a request's audit event is written as it completes
         events = read_events(cluster.audit_log_path)
         leader = _leader_events(events, operator.lease)
-        window = dict(since=since, until=until)
-        ours = count(events, user=OPERATOR_USER, **window)
+        ours = count(events, user=OPERATOR_USER, since=since, until=until)
         agents = sorted({e.user_agent for e in events if e.user == OPERATOR_USER})
         by_agent = {
             agent: _keyed(
-                count((e for e in events if e.user_agent == agent), user=OPERATOR_USER, **window)
+                count(
+                    (e for e in events if e.user_agent == agent),
+                    user=OPERATOR_USER,
+                    since=since,
+                    until=until,
+                )
             )
             for agent in agents
         }
@@ -390,8 +394,8 @@ def measure(nodes: int, jobs: int, args: argparse.Namespace) -> Row:
             window_s=(until - since).total_seconds(),
             operator=_keyed(ours),
             operator_by_agent={a: c for a, c in by_agent.items() if c},
-            leader=_keyed(count(leader, user=OPERATOR_USER, **window)),
-            sidecars=_keyed(count(events, user=SIDECAR_USER, **window)),
+            leader=_keyed(count(leader, user=OPERATOR_USER, since=since, until=until)),
+            sidecars=_keyed(count(events, user=SIDECAR_USER, since=since, until=until)),
             operator_cpu_s=cpu1 - cpu0,
             ready_after_s=ready_after,
             restarts_before=sum(int(st.get("attempt") or 1) - 1 for st in before.values()),

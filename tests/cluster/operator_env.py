@@ -86,7 +86,7 @@ class OperatorProcess:
         """Starts it and returns once its ports listen (a standby's too), on ports that are
         chosen again if someone took them first (no bind race)."""
 
-        def launch(ports: list[int]) -> subprocess.Popen[bytes]:
+        def launch(ports: tuple[int, ...]) -> subprocess.Popen[bytes]:
             with open(self.log, "ab") as err:
                 return subprocess.Popen(
                     [
