@@ -157,8 +157,31 @@ def _trainer_pod_spec(spec: JobSpec, uri: str, extra_env: list[dict[str, Any]]) 
     return pod_spec
 
 
+def _avoid_nodes(pod_spec: dict[str, Any], nodes: tuple[str, ...]) -> None:
+    """Keep the scheduler off ``nodes`` (suspect: a rank there went silent, but the node
+    reads Ready until its grace period ends): ``metadata.name NotIn`` added to every
+    required nodeSelectorTerm (terms are ORed), or one term of its own."""
+    avoid = {"key": "metadata.name", "operator": "NotIn", "values": list(nodes)}
+    affinity = pod_spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+    required = affinity.setdefault(
+        "requiredDuringSchedulingIgnoredDuringExecution", {"nodeSelectorTerms": []}
+    )
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({})
+    for term in terms:
+        term.setdefault("matchFields", []).append(dict(avoid))
+
+
 def build_pod(
-    body: dict[str, Any], spec: JobSpec, *, uri: str, attempt: int, world_size: int, node_rank: int
+    body: dict[str, Any],
+    spec: JobSpec,
+    *,
+    uri: str,
+    attempt: int,
+    world_size: int,
+    node_rank: int,
+    avoid: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     job = body["metadata"]["name"]
     name = pod_name(job, attempt, node_rank)
@@ -191,6 +214,8 @@ def build_pod(
             }
         ]
     }
+    if avoid:
+        _avoid_nodes(pod_spec, avoid)
     template_meta = spec.template.get("metadata") or {}
     labels = dict(template_meta.get("labels") or {})
     labels.update(

@@ -121,6 +121,7 @@ class CreateAttempt:
 
     attempt: int
     world_size: int
+    avoid: tuple[str, ...] = ()  # suspect nodes: kept off by node affinity (they read Ready)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -320,6 +321,14 @@ def _older(obs: Observation) -> list[Action]:
     return [DeletePods(names)] if names else []
 
 
+def suspect_patch(old: Mapping[str, float], new: Mapping[str, float]) -> dict[str, Any]:
+    """``status.suspectNodes`` as a JSON merge patch: a node no longer suspect is written
+    as null (merging ``{}`` would keep every old key)."""
+    patch: dict[str, Any] = {name: None for name in old if name not in new}
+    patch.update({name: mark for name, mark in new.items() if old.get(name) != mark})
+    return patch
+
+
 def _live_nodes(obs: Observation, suspect: Mapping[str, float]) -> set[str]:
     return {n.name for n in obs.nodes if n.ready and n.name not in suspect}
 
@@ -368,7 +377,7 @@ def decide(obs: Observation) -> Plan:
             (
                 *actions,
                 PatchStatus({}),  # sent with the resourceVersion read: fails if stale
-                CreateAttempt(state.attempt, state.world_size),
+                CreateAttempt(state.attempt, state.world_size, tuple(sorted(state.suspect))),
                 PatchStatus({"podsCreated": True}),
             )
         )
@@ -400,7 +409,7 @@ def _running(obs: Observation, current: Sequence[PodView], actions: list[Action]
     update: dict[str, Any] = {}
     suspect = _cleared_suspects(obs)
     if suspect != dict(state.suspect):
-        update["suspectNodes"] = suspect
+        update["suspectNodes"] = suspect_patch(state.suspect, suspect)
     all_running = len(current) >= state.world_size and all(p.phase == "Running" for p in current)
     if all_running and state.healthy_since is None:
         update["healthySince"] = now
@@ -540,7 +549,7 @@ def _end_attempt(
             "teardownSince": now,
             "healthySince": None,
             "transition": None,
-            "suspectNodes": suspect,
+            "suspectNodes": suspect_patch(state.suspect, suspect),
             "sizeCap": ending.size_cap,
             "conditions": conditions(
                 state, "Restarting", ending.reason, ending.message, now, restarted=True
@@ -587,7 +596,7 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
     update: dict[str, Any] = {}
     suspect = _cleared_suspects(obs)
     if suspect != dict(state.suspect):
-        update["suspectNodes"] = suspect
+        update["suspectNodes"] = suspect_patch(state.suspect, suspect)
     if state.attempt and not state.torn_down:  # the operator stopped mid-teardown
         actions += [PatchStatus(update), *_teardown(obs, current, suspect)]
         actions.append(PatchStatus({"tornDown": True}))
@@ -661,7 +670,7 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
             *[a for a in actions if not isinstance(a, PatchStatus)],
             PatchStatus(start),
             Emit("Normal", "AttemptStarted", message),
-            CreateAttempt(attempt, target),
+            CreateAttempt(attempt, target, tuple(sorted(suspect))),
             PatchStatus({"podsCreated": True}),
         )
     )

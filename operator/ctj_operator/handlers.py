@@ -332,7 +332,7 @@ def _apply(
         elif isinstance(action, CreateAttempt):
             assert spec is not None and obs is not None
             try:
-                _create_attempt(body, spec, uri, action.attempt, action.world_size)
+                _create_attempt(body, spec, uri, action)
             except ApiException as exc:
                 if exc.status in (409, 429) or exc.status is None or exc.status >= 500:
                     raise  # not the pod's fault: kopf retries the tick
@@ -422,10 +422,9 @@ def _create_or_replace_role(namespace: str, role: dict[str, Any]) -> None:
         Cluster.rbac.patch_namespaced_role(role["metadata"]["name"], namespace, role)
 
 
-def _create_attempt(
-    body: dict[str, Any], spec: JobSpec, uri: str, attempt: int, world_size: int
-) -> None:
+def _create_attempt(body: dict[str, Any], spec: JobSpec, uri: str, action: CreateAttempt) -> None:
     namespace = body["metadata"]["namespace"]
+    attempt, world_size = action.attempt, action.world_size
     if spec.backend == "pytorchjob":
         job = builders.build_pytorchjob(body, spec, uri=uri, attempt=attempt, world_size=world_size)
         _create(
@@ -451,7 +450,13 @@ def _create_attempt(
     _create(Cluster.core.create_namespaced_service, namespace, builders.build_service(body))
     for rank in range(world_size):
         pod = builders.build_pod(
-            body, spec, uri=uri, attempt=attempt, world_size=world_size, node_rank=rank
+            body,
+            spec,
+            uri=uri,
+            attempt=attempt,
+            world_size=world_size,
+            node_rank=rank,
+            avoid=action.avoid,
         )
         name = pod["metadata"]["name"]
         _create(

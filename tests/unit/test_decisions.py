@@ -307,7 +307,19 @@ def test_a_suspect_node_does_not_count_until_its_kubelet_is_seen_again() -> None
     back = [*nodes(2), NodeView("n2", True, alive_at=105.0)]
     plan = decide(observe(state, [], back, 106.0))
     assert what(plan) == "start 3"
-    assert plan.status()["suspectNodes"] == {}
+    assert plan.status()["suspectNodes"] == {"n2": None}  # a merge patch: null removes it
+    start = next(a for a in plan.actions if isinstance(a, CreateAttempt))
+    assert start.avoid == ()
+
+
+def test_the_next_attempt_is_kept_off_a_suspect_node() -> None:
+    """It still reads Ready (its grace period runs): the scheduler must not place a rank
+    there, so the attempt's pods carry a node affinity excluding it."""
+    state = JobState(phase="Restarting", attempt=1, world_size=3, suspect={"n2": 100.0})
+    plan = decide(observe(state, [], [*nodes(2), NodeView("n2", True, alive_at=99.0)], 101.0))
+    start = next(a for a in plan.actions if isinstance(a, CreateAttempt))
+    assert (start.world_size, start.avoid) == (2, ("n2",))
+    assert "suspectNodes" not in plan.status()  # unchanged: nothing to write
 
 
 def test_pending_past_the_timeout_ends_the_attempt_and_caps_the_next() -> None:

@@ -165,3 +165,55 @@ def test_pytorchjob_status_reads_back_as_a_phase(
     conditions: list[dict[str, str]], phase: str
 ) -> None:
     assert builders.pytorchjob_phase({"status": {"conditions": conditions}}) == phase
+
+
+def test_heartbeat_lease_role_and_sidecar_env_name_exactly_the_attempts_pods() -> None:
+    (lease,) = builders.build_leases(BODY, job_spec(), attempt=2, world_size=1)
+    assert lease["metadata"]["name"] == "demo-a2-0" == lease["spec"]["holderIdentity"]
+    role = builders.build_heartbeat_role(BODY, attempt=2, world_size=3)
+    (rule,) = role["rules"]
+    assert rule["resourceNames"] == ["demo-a2-0", "demo-a2-1", "demo-a2-2"]
+    assert rule["verbs"] == ["get", "patch"] and rule["resources"] == ["leases"]
+    binding = builders.build_heartbeat_binding(BODY, job_spec())
+    assert binding["subjects"][0]["name"] == "default"
+    sidecar = pod()["spec"]["initContainers"][-1]
+    env = env_of(sidecar)
+    assert env["CTJ_HEARTBEAT_LEASE"] == "demo-a2-1" and env["NODE_RANK"] == "1"
+
+
+def test_suspect_nodes_are_excluded_from_every_node_selector_term() -> None:
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["a"]}]},
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["b"]}]},
+                ]
+            }
+        }
+    }
+    template = job_spec().template
+    spec = job_spec(template={**template, "spec": {**template["spec"], "affinity": affinity}})
+    built = builders.build_pod(
+        BODY, spec, uri=URI, attempt=2, world_size=3, node_rank=0, avoid=("n2",)
+    )
+    terms = built["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert len(terms) == 2
+    for term in terms:
+        assert term["matchFields"] == [
+            {"key": "metadata.name", "operator": "NotIn", "values": ["n2"]}
+        ]
+    plain = builders.build_pod(
+        BODY, job_spec(), uri=URI, attempt=2, world_size=3, node_rank=0, avoid=("n2",)
+    )
+    (term,) = plain["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert term == {
+        "matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["n2"]}]
+    }
+    assert affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ][0] == {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["a"]}]}
