@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.watching.connect_timeout = 10
         settings.networking.request_timeout = 30
         settings.posting.level = logging.INFO
+        settings.execution.max_workers = 32  # reconciles block on API calls; jobs are many
         settings.persistence.finalizer = f"{handlers.GROUP}/operator"
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
             prefix=handlers.GROUP

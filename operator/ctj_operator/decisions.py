@@ -24,6 +24,9 @@ from typing import Any
 from .spec import JobSpec
 
 MAX_BACKOFF_S = 300.0
+UNSEEN_GRACE_S = 30.0
+"""A pod missing this soon after its attempt started may only not have reached our watch
+yet (the view lags our own creates): it is not judged gone before."""
 TERMINAL = ("Succeeded", "Failed")
 
 
@@ -238,7 +241,8 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
     by_name = {n.name: n for n in obs.nodes}
     present = {p.node_rank for p in current}
     missing = sorted(set(range(state.world_size)) - present)
-    if missing:
+    started = state.attempt_started
+    if missing and (started is None or now - started >= UNSEEN_GRACE_S):
         return Ending("PodDeleted", f"pod of node rank {missing[0]} is gone", Cause.NODE)
     for p in sorted(current, key=lambda p: p.node_rank):
         node = by_name.get(p.node_name) if p.node_name else None

@@ -91,17 +91,22 @@ class Cluster:
 
 
 # ---- indexes: what the watches deliver, kept by kopf in memory ----
+# Async (quick, pure) so they run on kopf's event loop: as sync handlers they would queue
+# behind reconciles blocked on API calls in the thread pool, and a pod the operator has
+# just created would stay unseen for tens of seconds under load.
 
 
 @kopf.index("pods", labels={LABEL_JOB: kopf.PRESENT})
-def ctj_pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
+async def ctj_pods(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> Any:
     summary = pod_summary(body)
     PHASES.see((namespace, summary["name"]), summary["phase"])
     return {(namespace, labels[LABEL_JOB]): summary}
 
 
 @kopf.index("pods")
-def node_usage(
+async def node_usage(
     namespace: str | None, labels: Mapping[str, str], spec: kopf.Spec, status: kopf.Status, **_: Any
 ) -> Any:
     """What every non-terminal pod bound to a node requests (the node's room taken)."""
@@ -113,12 +118,14 @@ def node_usage(
 
 
 @kopf.index("nodes")
-def cluster_nodes(name: str, body: kopf.Body, **_: Any) -> Any:
+async def cluster_nodes(name: str, body: kopf.Body, **_: Any) -> Any:
     return {name: node_summary(body)}
 
 
 @kopf.index("coordination.k8s.io", "v1", "leases", labels={LABEL_JOB: kopf.PRESENT})
-def ctj_leases(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
+async def ctj_leases(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> Any:
     summary = lease_summary(body)
     BEATS.see((namespace, summary["name"]), summary["renew"])
     return {(namespace, labels[LABEL_JOB]): summary}
@@ -129,12 +136,12 @@ def _is_node_lease(namespace: str | None, **_: Any) -> bool:
 
 
 @kopf.index("coordination.k8s.io", "v1", "leases", when=_is_node_lease)
-def kubelet_leases(name: str, spec: kopf.Spec, **_: Any) -> Any:
+async def kubelet_leases(name: str, spec: kopf.Spec, **_: Any) -> Any:
     KUBELETS.see(name, spec.get("renewTime"))
     return {name: spec.get("renewTime")}
 
 
-def ctj_pytorchjobs(
+async def ctj_pytorchjobs(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> Any:
     """Registered by __main__ only where the PyTorchJob CRD exists."""
