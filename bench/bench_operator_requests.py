@@ -283,6 +283,18 @@ def _describe(states: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+class OperatorExited(RuntimeError):
+    """The operator process ended during a measurement (e.g. it lost its leader Lease)."""
+
+
+def _alive(operator: OperatorProcess) -> bool:
+    """True, or raises OperatorExited with the end of its log."""
+    if operator.proc.poll() is None:
+        return True
+    tail = "\n".join(operator.log.read_text().splitlines()[-5:])
+    raise OperatorExited(f"the operator exited ({operator.proc.returncode}):\n{tail}")
+
+
 def _create_jobs(cluster: Cluster, names: list[str], bucket: str, endpoint: str) -> None:
     """Jobs of one replica whose trainer only sleeps (the sidecar runs and beats)."""
     custom = client.CustomObjectsApi(cluster.api_client())
@@ -345,7 +357,7 @@ def measure(nodes: int, jobs: int, args: argparse.Namespace) -> Row:
                 _wait(
                     "every job Running with its pod Running",
                     args.ready_timeout + 5.0 * args.batch,
-                    lambda: all(map(_running, _job_states(cluster).values())),
+                    lambda: _alive(operator) and all(map(_running, _job_states(cluster).values())),
                 )
             except TimeoutError:
                 log(f"not every job runs: measuring anyway\n{_describe(_job_states(cluster))}")
@@ -363,9 +375,7 @@ def measure(nodes: int, jobs: int, args: argparse.Namespace) -> Row:
         log(f"measuring {args.minutes:g} min")
         time.sleep(args.minutes * 60)
         until = dt.datetime.now(dt.UTC)
-        if operator.proc.poll() is not None:
-            tail = operator.log.read_text()[-3000:]
-            raise RuntimeError(f"the operator exited during the window:\n{tail}")
+        _alive(operator)
         cpu1 = _cpu_seconds(operator.proc.pid)
         after = _job_states(cluster)
         restarted = sorted(n for n in names if after[n].get("attempt") != before[n].get("attempt"))
@@ -535,15 +545,23 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     began = time.monotonic()
     rows: list[Row] = []
+    failed: list[str] = []
     try:
         for nodes in args.nodes:
             for jobs in args.jobs:
-                rows.append(measure(nodes, jobs, args))
+                try:
+                    rows.append(measure(nodes, jobs, args))
+                except OperatorExited as exc:  # a figure of its own: the next config still runs
+                    failed.append(f"{nodes} nodes x {jobs} jobs: {exc}")
+                    log(failed[-1])
+                    continue
                 print(_table(rows[-1:]).splitlines()[-1], flush=True)
     except KeyboardInterrupt:
         log("interrupted: torn down")
-        if not rows:
-            return 130
+    for line in failed:
+        print(f"NOT MEASURED, {line}")
+    if not rows:
+        return 1 if failed else 130
     print()
     print(_table(rows))
     ratios = _ratios(rows) if len(rows) > 1 else {}
@@ -579,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "rows": [{**asdict(r), **r.summary()} for r in rows],
             "ratios": ratios,
+            "not_measured": failed,
         }
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
