@@ -151,37 +151,40 @@ class GraceEnv:
         return time.monotonic()
 
 
+@pytest.fixture(scope="class")
+def grace_cluster(
+    cluster_binaries: Binaries, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """3 nodes, node-monitor grace 40 s and period 5 s (the upstream timings), for one
+    test class: stopped before op_cluster starts (file order)."""
+    c = Cluster(
+        ClusterConfig(
+            root=tmp_path_factory.mktemp("gracecluster"),
+            nodes=3,
+            node_monitor_grace_period=40.0,
+            node_monitor_period=5.0,
+        ),
+        cluster_binaries,
+    )
+    c.start()
+    try:
+        c.kubectl("apply", "-f", str(CRD))
+        c.kubectl(
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/checkpointedtrainingjobs.training.ctj.dev",
+        )
+        yield c
+    finally:
+        c.stop()
+
+
 class TestUpstreamNodeGrace:
     """The controller manager keeps the upstream timings (node-monitor grace 40 s, period
     5 s): a lost node still reads Ready for ~40 s, long after its ranks' heartbeats went
     silent (10 s), so the operator alone knows not to trust it (a *suspect* node). One
     cluster for the class, first in the file: stopped before op_cluster starts."""
-
-    @pytest.fixture(scope="class")
-    def grace_cluster(
-        self, cluster_binaries: Binaries, tmp_path_factory: pytest.TempPathFactory
-    ) -> Iterator[Cluster]:
-        c = Cluster(
-            ClusterConfig(
-                root=tmp_path_factory.mktemp("gracecluster"),
-                nodes=3,
-                node_monitor_grace_period=40.0,
-                node_monitor_period=5.0,
-            ),
-            cluster_binaries,
-        )
-        c.start()
-        try:
-            c.kubectl("apply", "-f", str(CRD))
-            c.kubectl(
-                "wait",
-                "--for=condition=Established",
-                "--timeout=60s",
-                "crd/checkpointedtrainingjobs.training.ctj.dev",
-            )
-            yield c
-        finally:
-            c.stop()
 
     @pytest.fixture
     def env(
