@@ -251,9 +251,10 @@ def measure_round(cluster: Cluster, index: int, args: argparse.Namespace) -> Rou
             created[current] = float(st["attemptStarted"])
         if current in created and current not in pods_running:
             pods = [p for p in job_pods(cluster, JOB_NS, JOB) if attempt_of(p) == current]
-            if current not in placed and pods and all(p.spec.node_name for p in pods):
-                placed[current] = sorted(p.spec.node_name for p in pods)
             world = st.get("worldSize") or 0
+            bound = len(pods) == world and all(p.spec.node_name for p in pods)
+            if current not in placed and bound:
+                placed[current] = sorted(p.spec.node_name for p in pods)
             if len(pods) == world and all(p.status.phase == "Running" for p in pods):
                 pods_running[current] = time.time()
         if current in pods_running and current not in trainer_started:
@@ -460,7 +461,8 @@ def run(args: argparse.Namespace) -> tuple[list[Round], float]:
                     shutil.copy(operator.log, Path(args.keep_logs) / "operator.log")
             if args.keep_logs:
                 for path in (root / "nodes").glob("*/pods/*/*.log"):
-                    dest = Path(args.keep_logs) / path.parent.name
+                    node_name = path.parents[2].name
+                    dest = Path(args.keep_logs) / node_name / path.parent.name
                     dest.mkdir(parents=True, exist_ok=True)
                     shutil.copy(path, dest / path.name)
             if s3 is not None:
