@@ -422,7 +422,7 @@ def test_a_pod_over_quota_fails_the_attempt_then_the_job_never_retrying_silently
         lines = re.findall(rf"ctj\.operator: {ns}/{name}\b.*", op_log())
         counted = lost = 0
         for line, after in zip(lines, [*lines[1:], ""], strict=True):
-            if ": pod rejected: " in line:
+            if ": the attempt's objects were rejected: " in line:
                 assert "exceeded quota: one-pod" in line, line
                 if "the job changed since it was read" in after:
                     lost += 1
