@@ -14,6 +14,7 @@ lost), and no rank may be bound there.
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 import uuid
 from collections.abc import Iterator
@@ -400,3 +401,49 @@ def test_node_loss_loses_at_most_a_checkpoint_interval(
     batch = _of(prev, "step")[-1]["samples"] - _of(prev, "step")[-2]["samples"]
     at_restore = next(e for e in _of(prev, "step") if e["step"] == restored["step"])
     assert steps[0]["samples"] == at_restore["samples"] + batch, "replays from the checkpoint"
+
+
+def test_a_node_lost_during_a_save_does_not_hold_up_the_next_attempt(
+    op_cluster: Cluster, job_namespace: str, new_job: NewJob, killed: list[str]
+) -> None:
+    """The node goes while a save is staged but not committed (it never will be: the lost
+    rank's shards die with it). The survivors' trainers fail at their next collective and
+    exit; they must not first wait for that commit (Checkpointer.close() at exit waits
+    ``shutdown_grace_s``, 25 s), or the teardown, which waits for their pods, and so the
+    whole recovery, take that much longer."""
+    ns, name = job_namespace, "midsave"
+    new_job(name, env=FAST_TRAINING, restartPolicy={"maxRestarts": 5, "backoffSeconds": 1})
+    master, _ = _steady(op_cluster, ns, name)
+    node = _node_of_rank(op_cluster, ns, name, 1, 1)
+
+    def in_flight() -> int | None:
+        events = trainer_events(op_cluster, ns, master)
+        staged = [e["step"] for e in _of(events, "staged")]
+        done = {e["step"] for e in _of(events, "committed")}
+        return staged[-1] if staged and staged[-1] not in done else None
+
+    wait_for(lambda: in_flight() is None, "no save in flight", 60)
+    step = wait_for(in_flight, "a save staged, not yet committed", 60)
+    killed.append(node)
+    op_cluster.kill_node(node)
+
+    st = wait_for(lambda: running(op_cluster, ns, name, 2, 2), "attempt 2 at world size 2", 180)
+    restored, _ = _restored_and_training(op_cluster, ns, f"{name}-a2-0", min_steps=1)
+    if restored["step"] >= step:
+        pytest.skip(f"step {step} committed before the node went: no save was in flight")
+    ended = _iso_to_epoch(_restarted(st)["lastTransitionTime"])
+    teardown = float(st["attemptStarted"]) - ended
+    waits = [
+        line
+        for rank in (0, 2)
+        for line in op_cluster.container_log(ns, f"{name}-a1-{rank}", "trainer").splitlines()
+        if "close()" in line
+    ]
+    assert teardown < 15, (
+        f"attempt 2 was created {teardown:.0f}s after attempt 1 ended (step {step} in flight "
+        f"when {node} was lost); the survivors' trainers at exit: {waits}"
+    )
+
+
+def _iso_to_epoch(text: str) -> float:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
