@@ -403,6 +403,11 @@ def test_node_loss_loses_at_most_a_checkpoint_interval(
     assert steps[0]["samples"] == at_restore["samples"] + batch, "replays from the checkpoint"
 
 
+@pytest.mark.xfail(
+    reason="open bug: a survivor's Checkpointer.close() at exit waits shutdown_grace_s (25 s) "
+    "for a commit a dead peer makes impossible, and the teardown waits for its pod",
+    strict=True,
+)
 def test_a_node_lost_during_a_save_does_not_hold_up_the_next_attempt(
     op_cluster: Cluster, job_namespace: str, new_job: NewJob, killed: list[str]
 ) -> None:
