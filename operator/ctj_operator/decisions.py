@@ -244,13 +244,27 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
     started = state.attempt_started
     if missing and (started is None or now - started >= UNSEEN_GRACE_S):
         return Ending("PodDeleted", f"pod of node rank {missing[0]} is gone", Cause.NODE)
-    for p in sorted(current, key=lambda p: p.node_rank):
+    ranked = sorted(current, key=lambda p: p.node_rank)
+    # the cluster's doing first: when a pod is deleted or its node lost, its peers crash
+    # too (their collective breaks), and whichever rank is read first must not decide
+    for p in ranked:
         node = by_name.get(p.node_name) if p.node_name else None
+        if p.phase == "Succeeded":
+            continue
+        if p.terminating:
+            return Ending("PodDeleted", f"pod {p.name} is being deleted", Cause.NODE)
+        if p.phase == "Failed" and p.reason == "Evicted":
+            return Ending("PodEvicted", f"pod {p.name} was evicted", Cause.NODE)
+        if p.node_name is None:
+            continue
+        if node is None:
+            msg = f"node {p.node_name} of pod {p.name} was deleted"
+            return Ending("NodeDeleted", msg, Cause.NODE, (p.node_name,))
+        if not node.ready:
+            msg = f"node {p.node_name} of pod {p.name} is not ready"
+            return Ending("NodeNotReady", msg, Cause.NODE, (p.node_name,))
+    for p in ranked:
         if p.phase == "Failed":
-            if p.reason == "Evicted":
-                return Ending("PodEvicted", f"pod {p.name} was evicted", Cause.NODE)
-            if p.node_name and (node is None or not node.ready):
-                return Ending("NodeNotReady", f"pod {p.name} failed on lost node", Cause.NODE)
             quiet = _silent_since_failure(obs, current, p)
             if quiet is not None:  # a peer went quiet: wait to learn whether it is lost
                 age = p.phase_age or 0.0
@@ -263,18 +277,6 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
                 return Ending("HeartbeatLost", msg, Cause.NODE, (quiet.node_name or "",))
             why = f" ({p.reason})" if p.reason else ""
             return Ending("PodFailed", f"pod {p.name} failed{why}", Cause.CRASH)
-        if p.phase == "Succeeded":
-            continue
-        if p.terminating:
-            return Ending("PodDeleted", f"pod {p.name} is being deleted", Cause.NODE)
-        if p.node_name is None:
-            continue
-        if node is None:
-            msg = f"node {p.node_name} of pod {p.name} was deleted"
-            return Ending("NodeDeleted", msg, Cause.NODE, (p.node_name,))
-        if not node.ready:
-            msg = f"node {p.node_name} of pod {p.name} is not ready"
-            return Ending("NodeNotReady", msg, Cause.NODE, (p.node_name,))
     timeout = spec.detection.heartbeat_timeout_seconds
     for p in sorted(current, key=lambda p: p.node_rank):
         silent = obs.beats.get(p.node_rank)

@@ -462,6 +462,26 @@ def test_survivors_crashing_because_a_node_died_is_the_nodes_fault() -> None:
     assert plan.status()["suspectNodes"] == {"n2": 10.5}
 
 
+@pytest.mark.parametrize(
+    "gone",
+    [
+        pod(1, terminating=True),  # deleted: still Running and beating for its grace period
+        pod(1, "Failed", terminating=True),
+        pod(1, "Failed", reason="Evicted"),
+        pod(1, node="bad0"),
+    ],
+)
+def test_a_lower_rank_crashing_because_a_peer_was_deleted_is_not_the_jobs(
+    gone: PodView,
+) -> None:
+    """Rank 0 is read first, and it failed because rank 1 left: the cluster's doing."""
+    the_pods = [pod(0, "Failed", phase_age=1.0), gone, pod(2)]
+    beats: dict[int, float | None] = {0: 1.5, 1: 0.5, 2: 0.5}
+    plan = decide(observe(RUNNING3, the_pods, nodes(3, not_ready=1), 1.0, beats=beats))
+    assert what(plan).endswith(" node"), what(plan)
+    assert (plan.status()["restarts"], plan.status()["nodeRestarts"]) == (0, 1)
+
+
 def test_a_crash_with_every_running_peer_beating_is_the_jobs() -> None:
     the_pods = [pod(0, "Failed", phase_age=3.0), pod(1), pod(2)]
     beats: dict[int, float | None] = {1: 0.5, 2: 1.0}
