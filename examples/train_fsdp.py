@@ -84,60 +84,62 @@ def main() -> None:
     model = build_model(world)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sampler = GlobalSampler(DATASET_LEN, global_batch, rank=dist.get_rank(), world_size=world)
-    ckpt = Checkpointer(CheckpointConfig.from_env())
-    ckpt.handle_sigterm()  # SIGTERM only sets a flag: the loop saves at the next boundary
-    extra: dict[str, Any] = {"step": 0, "sampler": sampler.state_dict()}
-    restored = ckpt.load(model=model, optimizer=opt, extra=extra)
-    start = extra["step"] if restored else 0
-    if restored:
-        sampler.load_state_dict(extra["sampler"])  # refuses another seed, batch or dataset
-        log("restored", step=restored.step, world_size=world, seconds=round(restored.seconds, 3),
-            bytes_fetched=restored.bytes_fetched, eval_loss=eval_loss(model))
-    else:
-        log("fresh_start", world_size=world)
+    # leaving on an error (a peer's death breaks a collective), close() does not wait for
+    # a commit that may never come: the sidecar settles what is staged
+    with Checkpointer(CheckpointConfig.from_env()) as ckpt:
+        ckpt.handle_sigterm()  # SIGTERM only sets a flag: the loop saves at the next boundary
+        extra: dict[str, Any] = {"step": 0, "sampler": sampler.state_dict()}
+        restored = ckpt.load(model=model, optimizer=opt, extra=extra)
+        start = extra["step"] if restored else 0
+        if restored:
+            sampler.load_state_dict(extra["sampler"])  # refuses another seed, batch or dataset
+            log("restored", step=restored.step, world_size=world,
+                seconds=round(restored.seconds, 3), bytes_fetched=restored.bytes_fetched,
+                eval_loss=eval_loss(model))
+        else:
+            log("fresh_start", world_size=world)
 
-    pending: list = []  # saves staged, not yet seen committed
-    stopped, last = False, start
-    for step in range(start + 1, total_steps + 1):
-        last = step
-        indices = sampler.local_batch(sampler.step)  # this rank's share of global step `step`
-        x, y = DATASET[0][indices], DATASET[1][indices]
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sampler.advance()  # the step is done: its samples count as consumed
-        log("step", step=step, loss=round(float(loss), 5), world_size=world,
-            samples=sampler.position)
-        if step % save_every == 0:
-            state = {"step": step, "sampler": sampler.state_dict()}
-            pending.append(ckpt.save(step, model=model, optimizer=opt, extra=state))
-            log("staged", step=step, eval_loss=eval_loss(model),
-                stall_seconds=round(pending[-1].stage_seconds, 4))
-        # collective: SIGTERM on any rank, or the operator asked for a checkpoint (a planned
-        # resize or drain): save at this boundary, wait for the commit below, and stop
-        if ckpt.preemption_requested():
-            if step % save_every != 0:  # not saved at this step already
+        pending: list = []  # saves staged, not yet seen committed
+        stopped, last = False, start
+        for step in range(start + 1, total_steps + 1):
+            last = step
+            indices = sampler.local_batch(sampler.step)  # this rank's share of global step `step`
+            x, y = DATASET[0][indices], DATASET[1][indices]
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sampler.advance()  # the step is done: its samples count as consumed
+            log("step", step=step, loss=round(float(loss), 5), world_size=world,
+                samples=sampler.position)
+            if step % save_every == 0:
                 state = {"step": step, "sampler": sampler.state_dict()}
                 pending.append(ckpt.save(step, model=model, optimizer=opt, extra=state))
-                log("staged", step=step, stall_seconds=round(pending[-1].stage_seconds, 4))
-            log("stopping", step=step, request=ckpt.checkpoint_request())
-            stopped = True
-            break
-        while pending and pending[0].done():
-            result = pending.pop(0).result()
+                log("staged", step=step, eval_loss=eval_loss(model),
+                    stall_seconds=round(pending[-1].stage_seconds, 4))
+            # collective: SIGTERM on any rank, or the operator asked for a checkpoint (a planned
+            # resize or drain): save at this boundary, wait for the commit below, and stop
+            if ckpt.preemption_requested():
+                if step % save_every != 0:  # not saved at this step already
+                    state = {"step": step, "sampler": sampler.state_dict()}
+                    pending.append(ckpt.save(step, model=model, optimizer=opt, extra=state))
+                    log("staged", step=step, stall_seconds=round(pending[-1].stage_seconds, 4))
+                log("stopping", step=step, request=ckpt.checkpoint_request())
+                stopped = True
+                break
+            while pending and pending[0].done():
+                result = pending.pop(0).result()
+                log("committed", step=result.step, mode=result.mode,
+                    uploaded_bytes=result.uploaded_bytes, logical_bytes=result.logical_bytes,
+                    seconds=round(result.total_seconds, 3))
+            if step_delay:
+                time.sleep(step_delay)
+        for p in pending:
+            result = p.result()
             log("committed", step=result.step, mode=result.mode,
                 uploaded_bytes=result.uploaded_bytes, logical_bytes=result.logical_bytes,
                 seconds=round(result.total_seconds, 3))
-        if step_delay:
-            time.sleep(step_delay)
-    for p in pending:
-        result = p.result()
-        log("committed", step=result.step, mode=result.mode,
-            uploaded_bytes=result.uploaded_bytes, logical_bytes=result.logical_bytes,
-            seconds=round(result.total_seconds, 3))
-    log("stopped" if stopped else "done", step=last, eval_loss=eval_loss(model))
-    ckpt.close()
+        log("stopped" if stopped else "done", step=last, eval_loss=eval_loss(model))
     dist.destroy_process_group()
 
 

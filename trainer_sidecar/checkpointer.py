@@ -285,17 +285,25 @@ class Checkpointer:
 
         signal.signal(signal.SIGTERM, note)
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, wait_for_commit: bool = True) -> None:
         """Flush: wait for the last save's commit (within the shutdown grace, or
         ``timeout``), in both modes; then stop the persister thread, free this rank's
-        staging buffers (if nothing is left staged for a sidecar) and its lock."""
+        staging buffers (if nothing is left staged for a sidecar) and its lock.
+
+        ``wait_for_commit=False`` is for a loop that failed (``__exit__`` on an exception):
+        often a peer's death broke a collective, and the last save may never commit, so
+        the trainer does not wait out the grace for it. Nothing is dropped: a sidecar owns
+        what is staged and settles it, and an in-process persister still gets the grace to
+        store this rank's part."""
         if not self._opened:
             self._stop_server()
             return
         self._opened = False
         grace = self.config.shutdown_grace_s if timeout is None else timeout
         deadline = time.monotonic() + grace
-        if self._last is not None:
+        if self._last is not None and not wait_for_commit:
+            log.info("close(): not waiting for step %d to commit", self._last.step)
+        elif self._last is not None:
             try:
                 self._last.result(timeout=grace)
             except CheckpointError as exc:
@@ -321,8 +329,8 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(wait_for_commit=exc_type is None)
 
     # -- load -------------------------------------------------------------------
 

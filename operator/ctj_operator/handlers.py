@@ -141,6 +141,28 @@ async def kubelet_leases(name: str, spec: kopf.Spec, **_: Any) -> Any:
     return {name: spec.get("renewTime")}
 
 
+# The indexes forget a deleted object by themselves; these marks go with it (the same
+# watch streams: kopf serves every handler of a resource from one).
+
+
+@kopf.on.event("pods", labels={LABEL_JOB: kopf.PRESENT})
+async def pod_gone(event: kopf.RawEvent, namespace: str | None, name: str, **_: Any) -> None:
+    if event["type"] == "DELETED":
+        PHASES.drop((namespace, name))
+
+
+@kopf.on.event("coordination.k8s.io", "v1", "leases", labels={LABEL_JOB: kopf.PRESENT})
+async def lease_gone(event: kopf.RawEvent, namespace: str | None, name: str, **_: Any) -> None:
+    if event["type"] == "DELETED":
+        BEATS.drop((namespace, name))
+
+
+@kopf.on.event("coordination.k8s.io", "v1", "leases", when=_is_node_lease)
+async def kubelet_gone(event: kopf.RawEvent, name: str, **_: Any) -> None:
+    if event["type"] == "DELETED":
+        KUBELETS.drop(name)
+
+
 async def ctj_pytorchjobs(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> Any:

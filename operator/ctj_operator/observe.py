@@ -130,6 +130,9 @@ class Freshness:
         seen = self._seen.get(key)
         return None if seen is None else seen[2]
 
-    def forget(self, keep: set[Any]) -> None:
-        for key in set(self._seen) - keep:
-            del self._seen[key]
+    def drop(self, key: Any) -> None:
+        """The object is gone (a DELETED event): nothing of it is kept."""
+        self._seen.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._seen)

@@ -302,10 +302,13 @@ def job_events(cluster: Cluster, namespace: str, name: str) -> list[Any]:
     ]
 
 
-def metric_value(exposition: str, name: str, labels: str = "") -> float:
-    """One sample of a Prometheus text exposition (0.0 when absent)."""
-    wanted = f"{name}{{{labels}}}" if labels else name
-    for line in exposition.splitlines():
-        if line.startswith(wanted + " "):
-            return float(line.split()[-1])
+def metric_value(exposition: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus text exposition, its labels matched in any order (the
+    client writes them sorted); 0.0 when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
     return 0.0

@@ -112,7 +112,7 @@ def test_node_loss_shrinks_to_two_then_the_node_returns_and_it_grows_to_three(
     assert restored["step"] == trained[-1], "steps lost on a planned scale-up"
     assert (
         metric_value(
-            operator.metrics(), "ctj_job_restarts_total", 'reason="ScaleUp",cause="planned"'
+            operator.metrics(), "ctj_job_restarts_total", reason="ScaleUp", cause="planned"
         )
         == 1
     )

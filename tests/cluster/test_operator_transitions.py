@@ -403,19 +403,15 @@ def test_node_loss_loses_at_most_a_checkpoint_interval(
     assert steps[0]["samples"] == at_restore["samples"] + batch, "replays from the checkpoint"
 
 
-@pytest.mark.xfail(
-    reason="open bug: a survivor's Checkpointer.close() at exit waits shutdown_grace_s (25 s) "
-    "for a commit a dead peer makes impossible, and the teardown waits for its pod",
-    strict=True,
-)
 def test_a_node_lost_during_a_save_does_not_hold_up_the_next_attempt(
     op_cluster: Cluster, job_namespace: str, new_job: NewJob, killed: list[str]
 ) -> None:
     """The node goes while a save is staged but not committed (it never will be: the lost
     rank's shards die with it). The survivors' trainers fail at their next collective and
-    exit; they must not first wait for that commit (Checkpointer.close() at exit waits
-    ``shutdown_grace_s``, 25 s), or the teardown, which waits for their pods, and so the
-    whole recovery, take that much longer."""
+    exit; they must not first wait for that commit (Checkpointer.close() would wait
+    ``shutdown_grace_s``, 25 s; leaving its ``with`` block on an error does not), or the
+    teardown, which waits for their pods, and so the whole recovery, take that much
+    longer."""
     ns, name = job_namespace, "midsave"
     new_job(name, env=FAST_TRAINING, restartPolicy={"maxRestarts": 5, "backoffSeconds": 1})
     master, _ = _steady(op_cluster, ns, name)

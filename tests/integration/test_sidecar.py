@@ -150,6 +150,35 @@ def test_sigterm_during_upload_finishes_and_commits(
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_failed_loop_does_not_wait_for_its_last_commit_and_the_sidecar_makes_it(
+    s3_uri: str, tmp_path: Path, sidecars: list[Sidecar]
+) -> None:
+    """A peer's death surfaces in the loop as an exception from a collective: leaving the
+    ``with`` block then does not wait out the shutdown grace for a commit that may never
+    come (a plain close() would: nothing commits while no sidecar runs), and nothing is
+    dropped: the staged save stays for the sidecar, which commits it."""
+    staging = tmp_path / "staging"
+    grace = 60.0
+    config = CheckpointConfig(
+        uri=s3_uri, sidecar=True, staging_dir=str(staging), shutdown_grace_s=grace
+    )
+    model = big_model()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="peer"), Checkpointer(config) as ckpt:
+        ckpt.save(1, model=model)
+        raise RuntimeError("the peer is gone")
+    assert time.monotonic() - started < grace / 2, "close() waited for the commit"
+    sidecars.append(Sidecar(s3_uri, staging, tmp_path / "sidecar.log"))
+    fresh = big_model(seed=1)
+    wait_until(
+        lambda: repo.committed_steps(Checkpointer(CheckpointConfig(uri=s3_uri)).store) == [1],
+        "the sidecar to commit step 1",
+    )
+    loaded = Checkpointer(CheckpointConfig(uri=s3_uri)).load(model=fresh)
+    assert loaded is not None and loaded.step == 1
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
 def test_sigterm_with_too_short_a_grace_commits_nothing(
     s3_uri: str, tmp_path: Path, sidecars: list[Sidecar]
 ) -> None:
