@@ -3,8 +3,8 @@
 A job of 3 ranks runs examples/train_fsdp.py (as tests/cluster/operator_env.py's
 ``job_manifest`` builds it: a checkpoint every 10 steps) on a local cluster of 3 nodes
 (ctj_devcluster) whose controller manager keeps the upstream timings: node-monitor
-grace period ``--node-grace`` (40 s, the figure docs/operator.md names; kube-controller-
-manager 1.32+ defaults to 50 s) and node-monitor period 5 s. The operator runs with its
+grace period ``--node-grace`` (40 s, the pre-1.32 default and the harder case for the
+heartbeat; kube-controller-manager 1.32+, ours 1.34, defaults to 50 s) and node-monitor period 5 s. The operator runs with its
 defaults (a rank's heartbeat Lease renewed every 2 s, silent after 10 s), against a
 moto S3 (``LocalS3``). Each round:
 

@@ -244,7 +244,10 @@ class Heartbeat:
         clock: Callable[[], float] = time.time,
         log_every_s: float = LOG_EVERY_S,
         close: Callable[[], None] | None = None,
+        on_gone: Callable[[], None] | None = None,
     ) -> None:
+        """``on_gone`` runs once when the Lease, renewed before, is not found (404): the
+        operator deletes an attempt's Leases only once it has ended the attempt."""
         self.settings = settings
         self._patch = patch
         self._latest = latest
@@ -252,6 +255,8 @@ class Heartbeat:
         self.metrics = metrics
         self._clock = clock
         self._close = close
+        self._on_gone = on_gone
+        self.gone = False  # the Lease was renewed, then deleted: the attempt is over
         where = f"{settings.namespace}/{settings.lease}"
         self.where = where
         self._api_log = RateLimitedLog(
@@ -294,6 +299,8 @@ class Heartbeat:
             if self.metrics is not None:
                 self.metrics.failures.inc()
             self._api_log.failure(describe(exc))
+            if getattr(exc, "status", None) == 404 and self.beats > self.failures:
+                self._ended()
             return False
         if self.metrics is not None:
             self.metrics.beats.inc()
@@ -305,6 +312,14 @@ class Heartbeat:
             log.info("heartbeat: reported the last checkpoint %s", sent)
         self._take_request(annotations.get(CHECKPOINT_REQUEST))
         return True
+
+    def _ended(self) -> None:
+        if self.gone:
+            return
+        self.gone = True
+        log.info("heartbeat: Lease %s was deleted: the operator ended this attempt", self.where)
+        if self._on_gone is not None:
+            self._on_gone()
 
     def _take_request(self, request: str | None) -> None:
         request = (request or "").strip() or None
@@ -423,6 +438,7 @@ def start(
     root: Path,
     latest: Callable[[], CommittedCheckpoint | None],
     metrics: HeartbeatMetrics | None = None,
+    on_gone: Callable[[], None] | None = None,
 ) -> Heartbeat | None:
     """Connect and start beating; None (with the reason logged) if there is no API to use.
     The sidecar persists either way."""
@@ -434,6 +450,14 @@ def start(
     except CheckpointError as exc:
         log.error("heartbeat disabled: %s", exc)
         return None
-    beat = Heartbeat(settings, patch=patch, latest=latest, root=root, metrics=metrics, close=close)
+    beat = Heartbeat(
+        settings,
+        patch=patch,
+        latest=latest,
+        root=root,
+        metrics=metrics,
+        close=close,
+        on_gone=on_gone,
+    )
     beat.start()
     return beat

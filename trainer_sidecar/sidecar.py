@@ -83,6 +83,7 @@ def run(
             root=root,
             latest=persister.latest_committed,
             metrics=HeartbeatMetrics(metrics.registry),
+            on_gone=persister.attempt_ended,
         )
     try:
         delay = 0.5

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -385,3 +386,41 @@ def test_the_persister_knows_its_latest_commit(tmp_path: Path) -> None:
     fresh.publish_latest()  # what a restarted sidecar finds committed
     found = fresh.latest_committed()
     assert found is not None and found.step == 3
+
+
+def test_a_lease_deleted_after_renewals_ends_the_attempt_once(tmp_path: Path) -> None:
+    ended: list[bool] = []
+    beat, lease, _ = make(tmp_path, on_gone=lambda: ended.append(True))
+    lease.fail = ApiError(404, "Not Found", 'leases.coordination.k8s.io "p-0" not found')
+    assert not beat.beat()  # never renewed: not created yet, not an ended attempt
+    lease.fail = ApiError(403, "Forbidden", "forbidden")
+    assert not beat.beat()
+    assert ended == [] and not beat.gone
+    lease.fail = None
+    assert beat.beat()
+    lease.fail = ApiError(404, "Not Found", 'leases.coordination.k8s.io "p-0" not found')
+    assert not beat.beat() and not beat.beat()
+    assert ended == [True] and beat.gone
+
+
+def test_a_commit_waiting_for_parts_stops_when_the_attempt_ends(tmp_path: Path) -> None:
+    """Rank 1's node is gone: its part never comes. Once the operator has ended the
+    attempt, rank 0's commit stops waiting (not the 600 s commit timeout)."""
+    from trainer_sidecar import CheckpointConfig
+    from trainer_sidecar.errors import SaveFailed
+    from trainer_sidecar.format.manifest import SaveIdentity
+    from trainer_sidecar.save.persist import Persister
+    from trainer_sidecar.store.s3 import open_store
+
+    config = CheckpointConfig(uri=f"file://{tmp_path}/store", staging_dir=str(tmp_path / "s"))
+    persister = Persister(
+        open_store(config.uri), config, root=tmp_path / "s", metrics=CheckpointMetrics()
+    )
+    staged = types.SimpleNamespace(
+        step=20, save=SaveIdentity("a1", "0123456789abcdef"), world_size=2
+    )
+    threading.Timer(0.2, persister.attempt_ended).start()
+    started = time.monotonic()
+    with pytest.raises(SaveFailed, match=r"attempt ended .* 0 of 2 ranks uploaded"):
+        persister._wait_for_parts(staged)  # type: ignore[arg-type]
+    assert time.monotonic() - started < config.commit_timeout_s / 10

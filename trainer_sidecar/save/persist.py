@@ -77,6 +77,7 @@ class Persister:
         self._watchers: dict[Watched, cf.Future[Manifest | None]] = {}
         self._lock = threading.Lock()
         self._latest: Manifest | None = None
+        self._attempt_over = threading.Event()
 
     # -- in-process completion: futures, no polling -----------------------------
 
@@ -113,6 +114,14 @@ class Persister:
                 self._latest = manifest
 
     # -- one staged checkpoint ------------------------------------------------
+
+    def attempt_ended(self) -> None:
+        """The operator ended this pod's attempt (the sidecar's heartbeat Lease is gone): a
+        commit still waiting for other ranks' parts stops waiting, since those ranks are
+        being torn down or were lost with their node (a commit that waited would hold the
+        pod, and so the next attempt, for the rest of the shutdown grace). This rank's own
+        uploads go on."""
+        self._attempt_over.set()
 
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
@@ -200,6 +209,12 @@ class Persister:
                 raise SaveFailed(f"step {staged.step}: not committing, {why}")
             if len(state.ranks) >= staged.world_size:
                 return
+            if self._attempt_over.is_set():
+                raise SaveFailed(
+                    f"step {staged.step}: the attempt ended (the operator deleted its heartbeat "
+                    f"Leases) with {len(state.ranks)} of {staged.world_size} ranks uploaded; "
+                    "not committing"
+                )
             if time.monotonic() >= give_up or self._past_deadline():
                 raise SaveFailed(
                     f"step {staged.step}: only {len(state.ranks)} of {staged.world_size} ranks "
