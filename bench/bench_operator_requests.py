@@ -72,11 +72,11 @@ from ctj_devcluster.local_s3 import LocalS3  # noqa: E402
 from kubernetes import client  # noqa: E402
 
 from tests.cluster.operator_env import (  # noqa: E402
-    CRD,
     GROUP,
     PLURAL,
     VERSION,
     OperatorProcess,
+    install_crd,
     job_manifest,
 )
 
@@ -183,38 +183,11 @@ def _wait(what: str, timeout: float, check: Any, interval: float = 2.0) -> Any:
 
 def _token_kubeconfig(cluster: Cluster, path: Path) -> Path:
     """A kubeconfig with only the operator ServiceAccount's token (no admin cert)."""
-    token = cluster.kubectl(
-        "create", "token", OPERATOR_SA, "-n", OPERATOR_NS, "--duration=2h"
-    ).stdout.strip()
-    admin = json.loads(Path(cluster.kubeconfig).read_text())
-    path.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": admin["clusters"],
-                "users": [{"name": OPERATOR_SA, "user": {"token": token}}],
-                "contexts": [
-                    {
-                        "name": OPERATOR_SA,
-                        "context": {"cluster": admin["clusters"][0]["name"], "user": OPERATOR_SA},
-                    }
-                ],
-                "current-context": OPERATOR_SA,
-            }
-        )
-    )
-    return path
+    return cluster.service_account_kubeconfig(OPERATOR_NS, OPERATOR_SA, path, duration="2h")
 
 
 def _prepare(cluster: Cluster, s3: LocalS3) -> None:
-    cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl(
-        "wait",
-        "--for=condition=Established",
-        "--timeout=60s",
-        f"crd/{PLURAL}.{GROUP}",
-    )
+    install_crd(cluster)
     cluster.kubectl("create", "namespace", OPERATOR_NS)
     cluster.kubectl("apply", "-f", str(RBAC))
     core = client.CoreV1Api(cluster.api_client())

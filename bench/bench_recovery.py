@@ -4,9 +4,9 @@ A job of 3 ranks runs examples/train_fsdp.py (as tests/cluster/operator_env.py's
 ``job_manifest`` builds it: a checkpoint every 10 steps) on a local cluster of 3 nodes
 (ctj_devcluster) whose controller manager keeps the upstream timings: node-monitor
 grace period ``--node-grace`` (40 s, the pre-1.32 default and the harder case for the
-heartbeat; kube-controller-manager 1.32+, ours 1.34, defaults to 50 s) and node-monitor period 5 s. The operator runs with its
-defaults (a rank's heartbeat Lease renewed every 2 s, silent after 10 s), against a
-moto S3 (``LocalS3``). Each round:
+heartbeat; kube-controller-manager 1.32+, ours 1.34, defaults to 50 s) and node-monitor
+period 5 s. The operator runs with its defaults (a rank's heartbeat Lease renewed every
+2 s, silent after 10 s), against a moto S3 (``LocalS3``). Each round:
 
 1. waits for steady training: the current attempt at world size 3, every pod Running,
    and a checkpoint committed by that attempt;
@@ -66,7 +66,6 @@ from ctj_devcluster.local_s3 import LocalS3  # noqa: E402
 from kubernetes import client  # noqa: E402
 
 from tests.cluster.operator_env import (  # noqa: E402
-    CRD,
     FAST_TRAINING,
     GROUP,
     PLURAL,
@@ -74,6 +73,7 @@ from tests.cluster.operator_env import (  # noqa: E402
     OperatorProcess,
     attempt_of,
     committed_steps,
+    install_crd,
     job_manifest,
     job_pods,
     running,
@@ -170,8 +170,7 @@ class Round:
 
 
 def _prepare(cluster: Cluster, s3: LocalS3) -> None:
-    cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
+    install_crd(cluster)
     core = client.CoreV1Api(cluster.api_client())
     core.create_namespace({"metadata": {"name": JOB_NS}})
     _wait(

@@ -114,6 +114,30 @@ class Cluster:
             "HELM_DATA_HOME": str(helm_home / "data"),
         }
 
+    def service_account_kubeconfig(
+        self, namespace: str, name: str, path: Path, duration: str = "1h"
+    ) -> Path:
+        """A kubeconfig that is only the service account (a token for it, no admin
+        certificate): what a pod, or the operator deployed, can do."""
+        token = self.kubectl(
+            "create", "token", name, "-n", namespace, f"--duration={duration}"
+        ).stdout.strip()
+        admin = json.loads(Path(self.kubeconfig).read_text())
+        cluster = admin["clusters"][0]["name"]
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": admin["clusters"],
+                    "users": [{"name": name, "user": {"token": token}}],
+                    "contexts": [{"name": name, "context": {"cluster": cluster, "user": name}}],
+                    "current-context": name,
+                }
+            )
+        )
+        return path
+
     def api_client(self) -> Any:
         from kubernetes import config as kconfig
 

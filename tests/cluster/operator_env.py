@@ -36,6 +36,14 @@ def wait_for(condition: Callable[[], Any], what: str, timeout: float = 120.0) ->
         time.sleep(0.1)
 
 
+def install_crd(cluster: Cluster) -> None:
+    """Apply crds/ and wait until the API server serves the kind."""
+    cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}"
+    )
+
+
 @pytest.fixture(scope="module")
 def op_cluster(
     cluster_binaries: Binaries, tmp_path_factory: pytest.TempPathFactory
@@ -49,13 +57,7 @@ def op_cluster(
     )
     c.start()
     try:
-        c.kubectl("apply", "-f", str(CRD))
-        c.kubectl(
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/checkpointedtrainingjobs.training.ctj.dev",
-        )
+        install_crd(c)
         yield c
     finally:
         c.stop()

@@ -3,7 +3,6 @@ and the operator runs with nothing more (its own service account's token)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,30 +114,8 @@ def test_the_operator_runs_a_job_with_only_its_service_account(
     s3_env: dict[str, str],
     tmp_path: Path,
 ) -> None:
-    token = op_cluster.kubectl(
-        "create", "token", "ctj-operator", "-n", "ctj-system", "--duration=1h"
-    ).stdout.strip()
-    admin = json.loads(Path(op_cluster.kubeconfig).read_text())
-    kubeconfig = tmp_path / "ctj-operator.kubeconfig"
-    kubeconfig.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": admin["clusters"],
-                "users": [{"name": "ctj-operator", "user": {"token": token}}],
-                "contexts": [
-                    {
-                        "name": "ctj-operator",
-                        "context": {
-                            "cluster": admin["clusters"][0]["name"],
-                            "user": "ctj-operator",
-                        },
-                    }
-                ],
-                "current-context": "ctj-operator",
-            }
-        )
+    kubeconfig = op_cluster.service_account_kubeconfig(
+        "ctj-system", "ctj-operator", tmp_path / "ctj-operator.kubeconfig"
     )
     operator = OperatorProcess(op_cluster, tmp_path / "operator.log", kubeconfig)
     operator.start()

@@ -23,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster.kube import pod_manifest
 from tests.cluster.operator_env import (
-    CRD,
     GROUP,
     PLURAL,
     VERSION,
@@ -32,6 +31,7 @@ from tests.cluster.operator_env import (
     create_job,
     custom,
     get_job,
+    install_crd,
     job_events,
     job_manifest,
     job_pods,
@@ -87,13 +87,7 @@ def op_cluster(
         for name in GPU_NODES:  # the agent posts only status: the taint stays
             assert _taints(c, name) == [TAINT]
             assert api.read_node(name).status.allocatable[GPU] == "2"
-        c.kubectl("apply", "-f", str(CRD))
-        c.kubectl(
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/checkpointedtrainingjobs.training.ctj.dev",
-        )
+        install_crd(c)
         yield c
     finally:
         c.stop()

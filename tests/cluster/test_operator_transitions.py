@@ -26,7 +26,6 @@ import pytest
 from ctj_devcluster import Binaries, Cluster, ClusterConfig
 
 from tests.cluster.operator_env import (
-    CRD,
     FAST_TRAINING,
     NewJob,
     OperatorProcess,
@@ -34,6 +33,7 @@ from tests.cluster.operator_env import (
     committed_steps,
     core,
     create_job,
+    install_crd,
     job_events,
     job_manifest,
     job_pods,
@@ -169,13 +169,7 @@ def grace_cluster(
     )
     c.start()
     try:
-        c.kubectl("apply", "-f", str(CRD))
-        c.kubectl(
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/checkpointedtrainingjobs.training.ctj.dev",
-        )
+        install_crd(c)
         yield c
     finally:
         c.stop()

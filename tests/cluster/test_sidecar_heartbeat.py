@@ -68,26 +68,7 @@ def annotation(lease: dict[str, Any], key: str) -> str | None:
 
 def service_account_kubeconfig(cluster: Cluster, namespace: str, sa: str, path: Path) -> Path:
     """A kubeconfig that is the service account (its token), as the pod would be."""
-    token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h").stdout.strip()
-    admin = json.loads(Path(cluster.kubeconfig).read_text())
-    path.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": admin["clusters"],
-                "users": [{"name": sa, "user": {"token": token}}],
-                "contexts": [
-                    {
-                        "name": sa,
-                        "context": {"cluster": admin["clusters"][0]["name"], "user": sa},
-                    }
-                ],
-                "current-context": sa,
-            }
-        )
-    )
-    return path
+    return cluster.service_account_kubeconfig(namespace, sa, path)
 
 
 @pytest.fixture
