@@ -9,10 +9,12 @@ tests use a fresh registry and processes can serve theirs on /metrics.
 from __future__ import annotations
 
 import http.server
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 # from 1 ms (a stall) to ~17 min (a large upload)
@@ -92,6 +94,11 @@ class CheckpointMetrics:
             "Saves skipped because the previous one was still uploading (policy skip).",
             registry=r,
         )
+        self.interval = Gauge(
+            "ctj_checkpoint_interval_seconds",
+            "Time between the last two checkpoints committed (the job's checkpoint cadence).",
+            registry=r,
+        )
         self.last_step = Gauge(
             "ctj_checkpoint_last_committed_step",
             "Step of the last committed checkpoint.",
@@ -120,6 +127,28 @@ class HeartbeatMetrics:
             "ctj_heartbeat_failures",
             "Lease renewals that failed (API server unreachable, 403, 404, ...).",
             registry=registry,
+        )
+
+
+class StagingCollector:
+    """The staging volume's room, read at each scrape (``os.statvfs``): in a pod, the
+    memory-backed emptyDir whose sizeLimit bounds it; a save that does not fit fails."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = root
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            fs = os.statvfs(self.root)
+        except OSError:
+            return
+        capacity = fs.f_blocks * fs.f_frsize
+        used = (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+        yield GaugeMetricFamily(
+            "ctj_staging_capacity_bytes", "Size of the staging volume.", value=capacity
+        )
+        yield GaugeMetricFamily(
+            "ctj_staging_used_bytes", "Bytes in use on the staging volume.", value=used
         )
 
 

@@ -29,7 +29,7 @@ from . import __version__
 from . import heartbeat as heartbeats
 from .config import CheckpointConfig, job_staging_dir
 from .errors import CheckpointError
-from .metrics import CheckpointMetrics, HeartbeatMetrics, serve
+from .metrics import CheckpointMetrics, HeartbeatMetrics, StagingCollector, serve
 from .save import slots
 from .save.persist import Persister
 from .store.s3 import S3Settings, open_store
@@ -51,6 +51,7 @@ def run(
     root = job_staging_dir(config)
     slots.prepare_root(root)
     metrics = CheckpointMetrics()
+    metrics.registry.register(StagingCollector(root))
     persister = Persister(store, config, root=root, metrics=metrics, versions={"ctj": __version__})
     stop = threading.Event()
     ready = threading.Event()

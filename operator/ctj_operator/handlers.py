@@ -222,6 +222,7 @@ def reconcile(body: kopf.Body, name: str, namespace: str | None, uid: str, **ind
             )
             _apply(raw, None, plan, uri="")
         return
+    METRICS.job_seen(namespace, name, state.phase, state.world_size, state.attempt)
     key = (namespace, name)
     uri = state.storage or job_checkpoint_uri(spec, namespace, name, uid)
     pods = [
@@ -357,6 +358,10 @@ def _apply(
             if action.fields.get("worldSize"):
                 METRICS.world_size.labels(namespace=namespace, job_name=name).set(
                     action.fields["worldSize"]
+                )
+            if action.fields.get("attempt"):
+                METRICS.attempt.labels(namespace=namespace, job_name=name).set(
+                    action.fields["attempt"]
                 )
         elif isinstance(action, CreateAttempt):
             assert spec is not None and obs is not None

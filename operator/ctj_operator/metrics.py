@@ -24,6 +24,12 @@ class OperatorMetrics:
             ["namespace", "job_name"],  # not "job": Prometheus owns that label
             registry=r,
         )
+        self.attempt = Gauge(
+            "ctj_job_attempt",
+            "The job's current attempt (1, 2, ...): how often it restarted, whatever the cause.",
+            ["namespace", "job_name"],
+            registry=r,
+        )
         self.recovery = Histogram(
             "ctj_job_recovery_seconds",
             "From a failure seen to the new attempt's pods all running.",
@@ -40,11 +46,21 @@ class OperatorMetrics:
         key = (namespace, job)
         if phase is None:
             self._phases.pop(key, None)
-            try:
-                self.world_size.remove(namespace, job)
-            except KeyError:
-                pass
+            for gauge in (self.world_size, self.attempt):
+                try:
+                    gauge.remove(namespace, job)
+                except KeyError:
+                    pass
         else:
             self._phases[key] = phase
         for p in PHASES:
             self.jobs.labels(phase=p).set(sum(1 for v in self._phases.values() if v == p))
+
+    def job_seen(self, namespace: str, job: str, phase: str, world_size: int, attempt: int) -> None:
+        """What a reconcile read of the job (so a restarted operator exports every job's
+        series at its first tick, not at the job's next status write)."""
+        self.job_phase(namespace, job, phase)
+        if attempt:
+            self.attempt.labels(namespace=namespace, job_name=job).set(attempt)
+        if world_size:
+            self.world_size.labels(namespace=namespace, job_name=job).set(world_size)

@@ -78,7 +78,8 @@ def test_helm_lint_passes(helm: Any) -> None:
         "--strict",
         str(CHART),
         "--set",
-        "serviceMonitor.enabled=true,podMonitor.enabled=true,grafanaDashboard.enabled=false",
+        "serviceMonitor.enabled=true,podMonitor.enabled=true,prometheusRule.enabled=true,"
+        "grafanaDashboard.enabled=false",
     )
 
 
@@ -157,6 +158,14 @@ def test_service_monitor_only_when_enabled(helm: Any) -> None:
     assert endpoint["port"] == "metrics" and endpoint["honorLabels"] is True
     pods = the(render(helm, "podMonitor.enabled=true"), "PodMonitor")
     assert pods["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+
+
+def test_prometheus_rule_only_when_enabled_and_it_is_the_rules_file(helm: Any) -> None:
+    assert not any(k == "PrometheusRule" for k, _ in render(helm))
+    objects = render(helm, "prometheusRule.enabled=true,prometheusRule.labels.release=kps")
+    rule = the(objects, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    assert rule["spec"] == yaml.safe_load((CHART / "rules" / "ctj-alerts.yaml").read_text())
 
 
 def test_schema_rejects_bad_values(helm: Any) -> None:

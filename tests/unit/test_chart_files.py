@@ -32,7 +32,10 @@ _SUFFIXES = {
     "Counter": ("_total",),
     "Gauge": ("",),
 }
-_DEFINITION = re.compile(r"\b(Histogram|Summary|Counter|Gauge)\(\s*\"(ctj_[a-z0-9_]+)\"")
+# a metric object, or a family a custom collector yields at scrape time
+_DEFINITION = re.compile(
+    r"\b(Histogram|Summary|Counter|Gauge)(?:MetricFamily)?\(\s*\"(ctj_[a-z0-9_]+)\""
+)
 _METRIC_IN_EXPR = re.compile(r"\bctj_[a-z0-9_]+\b")
 
 
@@ -74,6 +77,7 @@ def test_the_metric_modules_define_what_the_readme_documents() -> None:
     assert "ctj_checkpoint_stall_seconds" in families and "ctj_jobs" in families
     assert families["ctj_checkpoint_bytes"] == {"ctj_checkpoint_bytes_total"}
     assert "ctj_job_recovery_seconds_bucket" in families["ctj_job_recovery_seconds"]
+    assert families["ctj_staging_used_bytes"] == {"ctj_staging_used_bytes"}  # a collector's
 
 
 def test_dashboard_queries_only_metrics_the_code_defines() -> None:
@@ -105,7 +109,9 @@ _P95 = "histogram_quantile(0.95, sum by (le) (rate({}_bucket["
         ("Failures by stage", "sum by (stage) (increase(ctj_checkpoint_failures_total["),
         ("Time since last committed checkpoint", "time() - max by (namespace, pod) (ctj_"),
         ("Job restarts by reason", "sum by (reason) (increase(ctj_job_restarts_total["),
-        ("World size", "max by (namespace, job) (ctj_job_world_size)"),
+        ("World size and attempt", "max by (namespace, job_name) (ctj_job_world_size)"),
+        ("World size and attempt", "max by (namespace, job_name) (ctj_job_attempt)"),
+        ("Staging volume use", "(ctj_staging_used_bytes / ctj_staging_capacity_bytes)"),
         ("Recovery time p50 / p95", _P95.format("ctj_job_recovery_seconds")),
         ("Jobs by phase", "sum by (phase) (ctj_jobs)"),
     ],

@@ -110,8 +110,12 @@ class Persister:
 
     def _committed(self, manifest: Manifest) -> None:
         with self._lock:
-            if self._latest is None or manifest.step >= self._latest.step:
+            previous = self._latest
+            if previous is None or manifest.step >= previous.step:
                 self._latest = manifest
+        if previous is not None and manifest.step > previous.step:
+            # the cadence the job commits at, which the stale-checkpoint alert compares with
+            self.metrics.interval.set(max(0.0, manifest.created - previous.created))
 
     # -- one staged checkpoint ------------------------------------------------
 
