@@ -81,15 +81,21 @@ class Sidecar:
     def wait(self, timeout: float = 120) -> int:
         return self.proc.wait(timeout)
 
+    def __enter__(self) -> Sidecar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
 
 @pytest.fixture
 def sidecars() -> Iterator[list[Sidecar]]:
     started: list[Sidecar] = []
     yield started
     for s in started:
-        if s.proc.poll() is None:
-            s.proc.kill()
-            s.proc.wait()
+        s.__exit__()
 
 
 def big_model(seed: int = 0) -> torch.nn.Module:
