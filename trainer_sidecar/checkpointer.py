@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -168,6 +169,8 @@ class Checkpointer:
         self.rank = collectives.rank(process_group)
         self.root = job_staging_dir(config)
         self.metrics = metrics or CheckpointMetrics()
+        if config.sidecar:  # this process serves no /metrics: the sidecar exports for it
+            self.metrics.relay = functools.partial(slots.relay_observation, self.root, self.rank)
         self._preempted = False
         self._request_file = str(slots.request_path(self.root))  # the sidecar writes it
         self._lock = slots.RankLock(self.root, self.rank)
@@ -244,7 +247,7 @@ class Checkpointer:
             else None
         )
         slots.mark_ready(done.slot, staged)
-        self.metrics.stall.observe(staged.stage_seconds)
+        self.metrics.observe_stall(staged.stage_seconds)
         # no wake-up for an in-process persister: it polls its slots (every 50 ms), and
         # waking it here would hand it the GIL before save() returns
         self._last = PendingSave(

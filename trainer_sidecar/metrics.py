@@ -46,6 +46,9 @@ BYTE_KINDS = ("logical", "uploaded", "deduplicated")
 class CheckpointMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        # set by a Checkpointer in sidecar mode: the trainer serves no /metrics there, so its
+        # observations also go to the sidecar (slots.relay_observation), which exports them
+        self.relay: Callable[[str, float, str], None] | None = None
         r = self.registry
         self.stall = Histogram(
             "ctj_checkpoint_stall_seconds",
@@ -108,6 +111,39 @@ class CheckpointMetrics:
             self.failures.labels(stage=stage)
         for kind in BYTE_KINDS:
             self.bytes.labels(kind=kind)
+
+    # -- what the training process observes (in sidecar mode, relayed to the sidecar) --
+
+    def observe_stall(self, seconds: float) -> None:
+        self.stall.observe(seconds)
+        self._relay("stall", seconds)
+
+    def observe_restore(self, seconds: float) -> None:
+        self.restore.observe(seconds)
+        self._relay("restore", seconds)
+
+    def count_failure(self, stage: str) -> None:
+        self.failures.labels(stage=stage).inc()
+        self._relay("failure", 1.0, stage)
+
+    def count_skipped(self) -> None:
+        self.skipped.inc()
+        self._relay("skipped", 1.0)
+
+    def _relay(self, name: str, value: float, stage: str = "") -> None:
+        if self.relay is not None:
+            self.relay(name, value, stage)
+
+    def apply(self, name: str, value: float, stage: str = "") -> None:
+        """Record an observation a trainer relayed (the sidecar's side; not relayed on)."""
+        if name == "stall":
+            self.stall.observe(value)
+        elif name == "restore":
+            self.restore.observe(value)
+        elif name == "failure" and stage in FAILURE_STAGES:
+            self.failures.labels(stage=stage).inc(value)
+        elif name == "skipped":
+            self.skipped.inc(value)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,10 +8,14 @@ back to 3, again from its last checkpoint.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from ctj_devcluster import Cluster
+from ctj_devcluster.prometheus import Prometheus, PrometheusConfig, Target
 
 from tests.cluster.operator_env import (
     FAST_TRAINING,
@@ -26,6 +30,14 @@ from tests.cluster.operator_env import (
     trainer_events,
     wait_for,
 )
+from tests.unit.test_alert_rules import RULES
+from tests.unit.test_chart_files import DASHBOARD, dashboard_exprs
+
+# what a series may be labelled with: the scrape's, the monitors', the metrics' own
+ALLOWED_LABELS = {
+    "__name__", "job", "instance", "namespace", "pod", "job_name",
+    "stage", "kind", "le", "reason", "cause", "phase",
+}
 
 pytestmark = pytest.mark.cluster
 
@@ -121,3 +133,78 @@ def test_node_loss_shrinks_to_two_then_the_node_returns_and_it_grows_to_three(
         "no pod of an older attempt left",
         30,
     )
+
+
+def test_prometheus_follows_the_job_through_a_node_loss_and_every_panel_has_data(
+    op_cluster: Cluster,
+    operator: OperatorProcess,
+    job_namespace: str,
+    new_job: NewJob,
+    s3_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """A real Prometheus scrapes the operator and every rank's sidecar (found as the
+    chart's PodMonitor would: the job's pods, port 9400, namespace/pod labels) while a
+    job checkpoints, loses a node and is restored; then every query of the dashboard the
+    chart ships returns data, and no series carries a credential or an unexpected label."""
+    ns, name = job_namespace, "watched"
+    config = PrometheusConfig(tmp_path / "prometheus", rule_files=[RULES])
+    with Prometheus(config) as prom:
+        prom.set_targets("ctj-operator", [Target(f"127.0.0.1:{operator.metrics_port}")])
+
+        def follow_pods() -> None:
+            pods = [p for p in job_pods(op_cluster, ns, name) if p.status.pod_ip]
+            labels = {"namespace": ns, "pod": ""}
+            targets = [
+                Target(f"{p.status.pod_ip}:9400", {**labels, "pod": p.metadata.name})
+                for p in pods
+                if p.status.phase == "Running"
+            ]
+            prom.set_targets("ctj-sidecars", targets)
+
+        def following(check: Callable[[], Any]) -> Callable[[], Any]:
+            return lambda: (follow_pods(), check())[1]
+
+        new_job(name, env=FAST_TRAINING, restartPolicy={"maxRestarts": 5, "backoffSeconds": 1})
+        master = f"{name}-a1-0"
+        wait_for(following(lambda: running(op_cluster, ns, name, 1, 3)), "attempt 1", 90)
+        wait_for(following(lambda: committed_steps(op_cluster, ns, master)), "a commit", 120)
+        wait_for(
+            following(lambda: len(prom.query("ctj_checkpoint_last_committed_step > 0")) == 1),
+            "Prometheus to scrape rank 0's commit",
+            60,
+        )
+        victim = next(p for p in job_pods(op_cluster, ns, name) if p.metadata.name.endswith("-1"))
+        op_cluster.kill_node(victim.spec.node_name)
+        try:
+            wait_for(following(lambda: running(op_cluster, ns, name, 2, 2)), "attempt 2", 120)
+            wait_for(
+                following(lambda: committed_steps(op_cluster, ns, f"{name}-a2-0")),
+                "a commit at world size 2",
+                90,
+            )
+
+            def current_targets_up() -> bool:
+                follow_pods()
+                up = {
+                    t["labels"].get("pod", "operator")
+                    for t in prom.active_targets()
+                    if t["health"] == "up"
+                }
+                return {"operator", f"{name}-a2-0", f"{name}-a2-1"} <= up
+
+            wait_for(current_targets_up, "the operator and attempt 2's sidecars up", 60)
+            exprs = dashboard_exprs(json.loads(DASHBOARD.read_text()))
+            queries = {e: e.replace("$__rate_interval", "5m") for e in exprs}
+
+            def empty() -> list[str]:
+                follow_pods()
+                return [e for e, q in queries.items() if not prom.query(q)]
+
+            wait_for(lambda: not empty(), "every dashboard query to return data", 90)
+        finally:
+            op_cluster.restart_node(victim.spec.node_name)
+        secrets = {s3_env["AWS_SECRET_ACCESS_KEY"], s3_env["AWS_ACCESS_KEY_ID"]}
+        for series in prom.series('{__name__=~"ctj_.*"}'):
+            assert set(series) <= ALLOWED_LABELS, series
+            assert not secrets & set(series.values()), series

@@ -236,12 +236,19 @@ def test_sidecar_serves_health_and_metrics(
     staging = tmp_path / "staging"
     sidecar = Sidecar(s3_uri, staging, tmp_path / "sidecar.log")
     sidecars.append(sidecar)
-    Checkpointer(sidecar_config(s3_uri, staging)).save(1, model=torch.nn.Linear(8, 8)).result()
+    trainer = Checkpointer(sidecar_config(s3_uri, staging))
+    trainer.save(1, model=torch.nn.Linear(8, 8)).result()  # type: ignore[union-attr]
+    assert trainer.load(model=torch.nn.Linear(8, 8)) is not None
     assert sidecar.get("/healthz")[0] == 200
     committed = r"^ctj_checkpoint_commit_seconds_count 1\.0$"  # observed just after the commit
     wait_until(lambda: re.search(committed, sidecar.get("/metrics")[1], re.M), "commit metric")
+    # what the trainer observed (it serves no /metrics in sidecar mode), relayed
+    relayed = r"^ctj_checkpoint_restore_seconds_count 1\.0$"
+    wait_until(lambda: re.search(relayed, sidecar.get("/metrics")[1], re.M), "restore metric")
     status, text = sidecar.get("/metrics")
     assert status == 200
+    assert re.search(r"^ctj_checkpoint_stall_seconds_count 1\.0$", text, re.M)
+    assert re.search(r"^ctj_staging_capacity_bytes [1-9]", text, re.M)
     assert re.search(r"^ctj_checkpoint_upload_seconds_count 1\.0$", text, re.M)
     assert re.search(r"^ctj_checkpoint_last_committed_step 1\.0$", text, re.M)
     assert re.search(r'^ctj_checkpoint_bytes_total\{kind="uploaded"\} [1-9]', text, re.M)

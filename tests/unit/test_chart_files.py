@@ -108,6 +108,7 @@ _P95 = "histogram_quantile(0.95, sum by (le) (rate({}_bucket["
         ("Checkpoint bytes rate by kind", "sum by (kind) (rate(ctj_checkpoint_bytes_total["),
         ("Failures by stage", "sum by (stage) (increase(ctj_checkpoint_failures_total["),
         ("Time since last committed checkpoint", "time() - max by (namespace, pod) (ctj_"),
+        ("Time since last committed checkpoint", "_timestamp_seconds > 0)"),
         ("Job restarts by reason", "sum by (reason) (increase(ctj_job_restarts_total["),
         ("World size and attempt", "max by (namespace, job_name) (ctj_job_world_size)"),
         ("World size and attempt", "max by (namespace, job_name) (ctj_job_attempt)"),

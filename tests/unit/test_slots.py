@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import subprocess
 import sys
@@ -121,3 +122,34 @@ def test_a_save_into_a_real_full_tmpfs_fails_cleanly(tmp_path: Path) -> None:
             assert ckpt.save(2, model=torch.nn.Linear(64, 64)) is not None  # fits: saves
     finally:
         subprocess.run(["umount", str(small)])
+
+
+def test_observations_relayed_to_the_sidecar_are_taken_once(tmp_path: Path) -> None:
+    slots.relay_observation(tmp_path, 0, "stall", 0.25)
+    slots.relay_observation(tmp_path, 1, "failure", 1.0, "restore")
+    (tmp_path / slots.OBSERVED_DIR / "2-1-0.json").write_text('{"name": "exec", "value": 1}')
+    (tmp_path / slots.OBSERVED_DIR / "2-2-0.json").write_text("not json")
+    (tmp_path / slots.OBSERVED_DIR / "2-3-0.json").write_text('{"name": "stall", "value": -1}')
+    taken = slots.take_observations(tmp_path)
+    assert sorted(taken) == [("failure", 1.0, "restore"), ("stall", 0.25, "")]
+    assert slots.take_observations(tmp_path) == []  # read once, every file removed
+    assert list((tmp_path / slots.OBSERVED_DIR).iterdir()) == []
+    slots.relay_observation(tmp_path / "missing" / "root", 0, "stall", 1.0)  # best effort
+
+
+def test_a_trainer_in_sidecar_mode_relays_what_it_observes(tmp_path: Path) -> None:
+    from trainer_sidecar.metrics import CheckpointMetrics
+
+    trainer, sidecar = CheckpointMetrics(), CheckpointMetrics()
+    trainer.relay = functools.partial(slots.relay_observation, tmp_path, 0)
+    trainer.observe_stall(0.5)
+    trainer.observe_restore(2.0)
+    trainer.count_failure("stage")
+    trainer.count_skipped()
+    for observation in slots.take_observations(tmp_path):
+        sidecar.apply(*observation)
+    r = sidecar.registry
+    assert r.get_sample_value("ctj_checkpoint_stall_seconds_sum") == 0.5
+    assert r.get_sample_value("ctj_checkpoint_restore_seconds_sum") == 2.0
+    assert r.get_sample_value("ctj_checkpoint_failures_total", {"stage": "stage"}) == 1
+    assert r.get_sample_value("ctj_checkpoint_skipped_total") == 1

@@ -158,7 +158,7 @@ def restore(
     skipped: list[tuple[int, str]] = []
 
     def skip(candidate: int, reason: str) -> None:
-        metrics.failures.labels(stage="restore").inc()
+        metrics.count_failure("restore")
         older = steps[len(skipped) + 1] if len(skipped) + 1 < len(steps) else None
         then = f"loading step {older} instead" if older is not None else "no older checkpoint"
         log.warning("%s: skipped it; %s", reason, then)
@@ -211,7 +211,7 @@ def restore(
         if extra is not None:
             extra.update(state["extra"])
         seconds = time.monotonic() - started
-        metrics.restore.observe(seconds)
+        metrics.observe_restore(seconds)
         fetched = reader.stats.bytes_fetched
         if collectives.rank(group) == 0:
             fetched += opened.metadata_bytes

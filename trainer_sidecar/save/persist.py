@@ -256,6 +256,9 @@ class Persister:
         Every staged rank is uploaded before any commit is attempted: one sidecar
         may serve several ranks of a step (nprocPerNode > 1), rank 0 among them.
         """
+        if self.rank is None:  # a sidecar: export what the trainers observed
+            for observation in slots.take_observations(self.root):
+                self.metrics.apply(*observation)
         work = slots.pending(self.root, self.rank)
         to_commit = []
         for slot, staged in work:
@@ -276,7 +279,7 @@ class Persister:
             try:
                 manifest = self.commit(staged)
             except UploadAborted:
-                self.metrics.failures.labels(stage="commit").inc()
+                self.metrics.count_failure("commit")
                 raise  # the slot stays staged for the next start
             except Exception as exc:  # noqa: BLE001 - counted, logged, told; the job trains on
                 self._fail(slot, staged, "commit", exc)
@@ -294,7 +297,7 @@ class Persister:
             return True
         except UploadAborted as exc:
             log.warning("%s", exc)
-            self.metrics.failures.labels(stage="upload").inc()
+            self.metrics.count_failure("upload")
             raise
         except Exception as exc:  # noqa: BLE001 - counted, logged, told; the job trains on
             self._fail(slot, staged, "upload", exc)
@@ -303,7 +306,7 @@ class Persister:
     def _fail(
         self, slot: Path, staged: slots.StagedCheckpoint, stage: str, exc: BaseException
     ) -> None:
-        self.metrics.failures.labels(stage=stage).inc()
+        self.metrics.count_failure(stage)
         who = "commit" if stage == "commit" else f"rank-{staged.rank}"
         commits.report_failure(self.store, staged.step, staged.save, who, str(exc))
         log.error("step %d (rank %d) not persisted: %s", staged.step, staged.rank, exc)

@@ -178,7 +178,7 @@ class SaveProtocol:
         reports = collectives.gather_all(report, self.group)
         how, plan = decide(reports, wait_timeout_s=self.config.slot_wait_timeout_s)
         if how is Staging.SKIP:
-            self.metrics.skipped.inc()
+            self.metrics.count_skipped()
             log.warning("skipped the save of step %d: the previous one is still uploading", step)
             return None
         assert slot is not None
@@ -190,7 +190,7 @@ class SaveProtocol:
                 files = self._replan(slot, state)
         except (Exception, CheckpointException) as exc:
             self._layout = None
-            self.metrics.failures.labels(stage="stage").inc()
+            self.metrics.count_failure("stage")
             raise CheckpointError(f"staging step {step} failed: {exc}") from exc
         if self.rank == 0:
             files.append((METADATA_FILE, ()))

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import itertools
 import json
+import math
 import os
 import shutil
 import stat
@@ -248,3 +250,54 @@ def read_request(root: Path) -> str | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     return text or None
+
+
+# -- observations the trainer relays to its sidecar ------------------------------------
+
+OBSERVED_DIR = "observed"
+OBSERVATIONS = ("stall", "restore", "failure", "skipped")
+_relayed = itertools.count()
+
+
+def relay_observation(root: Path, rank: int, name: str, value: float, stage: str = "") -> None:
+    """A metric observation the trainer made (in sidecar mode it serves no /metrics), for
+    the sidecar to export: one small JSON file under ``<root>/observed/``, written
+    atomically. Best effort: an observation lost is a sample missing, never an error."""
+    folder = Path(root) / OBSERVED_DIR
+    final = folder / f"{rank}-{time.time_ns()}-{next(_relayed)}.json"
+    tmp = folder / f".{final.name}.tmp"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"name": name, "value": value, "stage": stage}, f)
+        os.replace(tmp, final)
+    except OSError:
+        pass
+
+
+def take_observations(root: Path) -> list[tuple[str, float, str]]:
+    """The relayed observations, each removed once read (the sidecar's
+    loop); a file that is not one (unreadable, another shape) is dropped."""
+    folder = Path(root) / OBSERVED_DIR
+    try:
+        names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found: list[tuple[str, float, str]] = []
+    for name in names:
+        path = folder / name
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError):
+            raw = None
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        if not isinstance(raw, dict) or raw.get("name") not in OBSERVATIONS:
+            continue
+        value, stage = raw.get("value"), raw.get("stage", "")
+        if isinstance(value, int | float) and math.isfinite(value) and value >= 0:
+            found.append((str(raw["name"]), float(value), str(stage)))
+    return found
