@@ -124,6 +124,31 @@ def test_dashboard_panel_queries(title: str, expected: str) -> None:
     assert panels[title]["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
 
 
+def test_dashboard_is_well_formed_for_grafana() -> None:
+    """What Grafana needs to import it: a schema version it migrates from, the datasource
+    variable every query names, unique panel ids and refIds, panels that do not overlap."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert isinstance(dashboard["schemaVersion"], int) and dashboard["schemaVersion"] >= 36
+    assert dashboard["uid"] and dashboard["title"]
+    (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "datasource"]
+    assert variable["type"] == "datasource" and variable["query"] == "prometheus"
+    panels = dashboard["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), f"duplicate panel ids: {sorted(ids)}"
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        xs, ys = range(g["x"], g["x"] + g["w"]), range(g["y"], g["y"] + g["h"])
+        mine = {(x, y) for x in xs for y in ys}
+        assert not mine & cells, f"panel {p['title']!r} overlaps another"
+        cells |= mine
+        refs = [t["refId"] for t in p.get("targets", [])]
+        assert len(refs) == len(set(refs)), p["title"]
+        for t in p.get("targets", []):
+            assert t["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+
+
 def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
     """promtool parses each query as a recording rule (Grafana's $__rate_interval → 5m)."""
     if shutil.which("promtool") is None:
