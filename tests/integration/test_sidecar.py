@@ -144,7 +144,8 @@ def test_sigterm_during_upload_finishes_and_commits(
     sidecar = Sidecar(s3_uri, staging, tmp_path / "sidecar.log", grace=60)
     sidecars.append(sidecar)
     model = big_model()
-    Checkpointer(sidecar_config(s3_uri, staging)).save(1, model=model)
+    trainer = Checkpointer(sidecar_config(s3_uri, staging))
+    trainer.save(1, model=model)
     wait_until(lambda: "uploading step 1" in sidecar.text(), "the upload to start")
     sidecar.signal(signal.SIGTERM)
     assert sidecar.wait() == 0, sidecar.text()
@@ -154,6 +155,7 @@ def test_sigterm_during_upload_finishes_and_commits(
     loaded = Checkpointer(CheckpointConfig(uri=s3_uri)).load(model=fresh)
     assert loaded is not None and loaded.step == 1
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    trainer.close()  # step 1 is committed: found at once (not at exit, the store gone)
 
 
 def test_a_failed_loop_does_not_wait_for_its_last_commit_and_the_sidecar_makes_it(
@@ -191,7 +193,8 @@ def test_sigterm_with_too_short_a_grace_commits_nothing(
     staging = tmp_path / "staging"
     sidecar = Sidecar(s3_uri, staging, tmp_path / "sidecar.log", grace=0)
     sidecars.append(sidecar)
-    Checkpointer(sidecar_config(s3_uri, staging)).save(1, model=big_model())
+    trainer = Checkpointer(sidecar_config(s3_uri, staging))
+    trainer.save(1, model=big_model())
     wait_until(lambda: "uploading step 1" in sidecar.text(), "the upload to start")
     sidecar.signal(signal.SIGTERM)
     assert sidecar.wait() == 1, sidecar.text()  # 1: it says it left work staged
@@ -199,6 +202,7 @@ def test_sigterm_with_too_short_a_grace_commits_nothing(
     store = Checkpointer(CheckpointConfig(uri=s3_uri)).store
     assert repo.committed_steps(store) == []
     assert Checkpointer(CheckpointConfig(uri=s3_uri)).load(model=big_model(2)) is None
+    trainer.close(wait_for_commit=False)  # step 1 never commits: not waited for at exit
 
 
 def test_sidecar_killed_mid_upload_previous_stays_latest_next_save_works(
