@@ -25,7 +25,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from . import __version__
@@ -38,38 +37,6 @@ from .save.persist import Persister
 from .store.s3 import S3Settings, open_store
 
 log = logging.getLogger("ctj.sidecar")
-
-
-def run(
-    config: CheckpointConfig,
-    *,
-    metrics_port: int | None,
-    grace_s: float,
-    metrics_host: str = "0.0.0.0",
-    heartbeat: heartbeats.HeartbeatSettings | None = None,
-) -> int:
-    store = open_store(
-        config.uri, S3Settings.from_env(endpoint_url=config.endpoint_url, region=config.region)
-    )
-    root = job_staging_dir(config)
-    slots.prepare_root(root)
-    metrics = CheckpointMetrics()
-    metrics.registry.register(StagingCollector(root))
-    persister = Persister(store, config, root=root, metrics=metrics, versions={"ctj": __version__})
-    stop = threading.Event()
-
-    def on_signal(signum: int) -> None:
-        log.info(
-            "got %s: finishing staged checkpoints (grace %.1fs)",
-            signal.Signals(signum).name,
-            grace_s,
-        )
-        persister.shutdown(stop, grace_s)
-
-    with SignalThread((signal.SIGTERM, signal.SIGINT), on_signal):
-        return _serve_and_persist(
-            config, root, persister, metrics, stop, grace_s, metrics_port, metrics_host, heartbeat
-        )
 
 
 class SignalThread:
@@ -124,62 +91,78 @@ def _ignore(signum: int, frame: Any) -> None:
     installed so that SIGTERM does not kill the process by default."""
 
 
-def _serve_and_persist(
+def run(
     config: CheckpointConfig,
-    root: Path,
-    persister: Persister,
-    metrics: CheckpointMetrics,
-    stop: threading.Event,
-    grace_s: float,
+    *,
     metrics_port: int | None,
-    metrics_host: str,
-    heartbeat: heartbeats.HeartbeatSettings | None,
+    grace_s: float,
+    metrics_host: str = "0.0.0.0",
+    heartbeat: heartbeats.HeartbeatSettings | None = None,
 ) -> int:
-    ready = threading.Event()
-    server = None
-    if metrics_port is not None:
-        server = serve(
-            metrics_port,
-            metrics,
-            healthy=lambda: not stop.is_set(),
-            ready=ready.is_set,
-            host=metrics_host,
+    store = open_store(
+        config.uri, S3Settings.from_env(endpoint_url=config.endpoint_url, region=config.region)
+    )
+    root = job_staging_dir(config)
+    slots.prepare_root(root)
+    metrics = CheckpointMetrics()
+    metrics.registry.register(StagingCollector(root))
+    persister = Persister(store, config, root=root, metrics=metrics, versions={"ctj": __version__})
+    stop = threading.Event()
+
+    def on_signal(signum: int) -> None:
+        log.info(
+            "got %s: finishing staged checkpoints (grace %.1fs)",
+            signal.Signals(signum).name,
+            grace_s,
         )
-        log.info("serving /metrics, /healthz, /readyz on port %d", server.server_address[1])
-    log.info("persisting %s staged under %s to %s", config.mode, root, config.uri)
-    beat = None
-    if heartbeat is not None:
-        beat = heartbeats.start(
-            heartbeat,
-            root=root,
-            latest=persister.latest_committed,
-            metrics=HeartbeatMetrics(metrics.registry),
-            on_gone=persister.attempt_ended,
-        )
-    try:
-        delay = 0.5
-        while not stop.is_set() and not ready.is_set():
-            try:
-                persister.publish_latest()
-                ready.set()
-            except CheckpointError as exc:  # the store is not there yet: say so, keep trying
-                log.error("%s (retrying)", exc)
-                stop.wait(delay)
-                delay = min(delay * 2, 10.0)
-        started = time.monotonic()
-        persister.run(stop, grace_s=grace_s)
-    finally:
-        if beat is not None:
-            beat.stop()  # joined: no thread of ours outlives run()
-    left = [s.step for _, s in slots.pending(root)]
-    if server is not None:
-        server.shutdown()
-    if left:
-        log.warning(
-            "exiting with steps %s staged but not committed (after %.1fs)",
-            sorted(set(left)),
-            time.monotonic() - started,
-        )
-        return 1
-    log.info("exiting: nothing left staged")
-    return 0
+        persister.shutdown(stop, grace_s)
+
+    with SignalThread((signal.SIGTERM, signal.SIGINT), on_signal):
+        ready = threading.Event()
+        server = None
+        if metrics_port is not None:
+            server = serve(
+                metrics_port,
+                metrics,
+                healthy=lambda: not stop.is_set(),
+                ready=ready.is_set,
+                host=metrics_host,
+            )
+            log.info("serving /metrics, /healthz, /readyz on port %d", server.server_address[1])
+        log.info("persisting %s staged under %s to %s", config.mode, root, config.uri)
+        beat = None
+        if heartbeat is not None:
+            beat = heartbeats.start(
+                heartbeat,
+                root=root,
+                latest=persister.latest_committed,
+                metrics=HeartbeatMetrics(metrics.registry),
+                on_gone=persister.attempt_ended,
+            )
+        try:
+            delay = 0.5
+            while not stop.is_set() and not ready.is_set():
+                try:
+                    persister.publish_latest()
+                    ready.set()
+                except CheckpointError as exc:  # the store is not there yet: say so, keep trying
+                    log.error("%s (retrying)", exc)
+                    stop.wait(delay)
+                    delay = min(delay * 2, 10.0)
+            started = time.monotonic()
+            persister.run(stop, grace_s=grace_s)
+        finally:
+            if beat is not None:
+                beat.stop()  # joined: no thread of ours outlives run()
+        left = [s.step for _, s in slots.pending(root)]
+        if server is not None:
+            server.shutdown()
+        if left:
+            log.warning(
+                "exiting with steps %s staged but not committed (after %.1fs)",
+                sorted(set(left)),
+                time.monotonic() - started,
+            )
+            return 1
+        log.info("exiting: nothing left staged")
+        return 0

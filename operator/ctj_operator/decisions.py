@@ -278,7 +278,7 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
             why = f" ({p.reason})" if p.reason else ""
             return Ending("PodFailed", f"pod {p.name} failed{why}", Cause.CRASH)
     timeout = spec.detection.heartbeat_timeout_seconds
-    for p in sorted(current, key=lambda p: p.node_rank):
+    for p in ranked:
         silent = obs.beats.get(p.node_rank)
         if p.phase == "Running" and silent is not None and silent > timeout and p.node_name:
             msg = (

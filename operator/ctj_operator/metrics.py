@@ -44,6 +44,8 @@ class OperatorMetrics:
     def job_phase(self, namespace: str, job: str, phase: str | None) -> None:
         """Record (or, with None, forget) a job's phase and refresh the per-phase counts."""
         key = (namespace, job)
+        if phase is not None and self._phases.get(key) == phase:
+            return  # every reconcile reports it: count again only on a change
         if phase is None:
             self._phases.pop(key, None)
             for gauge in (self.world_size, self.attempt):
