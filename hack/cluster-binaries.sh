@@ -6,7 +6,9 @@
 #
 # Why from source: these machines have no Docker and cannot reach GitHub or dl.k8s.io, only
 # the Go module proxy. The wrapper modules in hack/gomod/ (see regen.sh there) pin
-# k8s.io/kubernetes, etcd and helm; every binary is built from them with the local Go.
+# k8s.io/kubernetes, etcd, helm and Kubeflow's training-operator; every binary is built from
+# them with the local Go. The training-operator's directory also gets its PyTorchJob CRD and
+# ClusterRole (crds/, rbac/), copied from the same module version.
 #
 # Cache: ${CTJ_CACHE:-~/.cache/ctj}/<name>-<version>-<recipe>/bin, where <recipe> hashes the
 # wrapper module and the build flags, so a changed recipe builds into a new directory. A
@@ -56,9 +58,21 @@ build() {
   done
   local rc=${PIPESTATUS[0]}
   if (( rc != 0 )); then log "[$name] go build failed (exit $rc)"; return "$rc"; fi
+  if declare -F "extras_$name" >/dev/null; then "extras_$name" "$dir.tmp"; fi
   rm -rf "$dir" && mv "$dir.tmp" "$dir"
   date -u +%FT%TZ > "$dir/.complete"
   log "[$name] built in $(( $(date +%s) - start ))s"
+}
+
+kubeflow_pkg=github.com/kubeflow/training-operator
+# extras_NAME DIR: files besides the binaries, put in place before the .complete marker.
+# The training-operator's PyTorchJob CRD and ClusterRole, from the very module it is built from.
+extras_kubeflow() {
+  local src
+  src="$(cd "$hack/gomod/kubeflow" && go list -m -f '{{.Dir}}' "$kubeflow_pkg")/manifests/base"
+  mkdir -p "$1/crds" "$1/rbac"
+  cp "$src/crds/kubeflow.org_pytorchjobs.yaml" "$1/crds/"
+  cp "$src/rbac/role.yaml" "$1/rbac/"
 }
 
 k8s_minor="${K8S_VERSION#v1.}"; k8s_minor="${k8s_minor%%.*}"
@@ -77,15 +91,19 @@ etcd_ldflags="-s -w"
 k8s_dir="$(recipe_dir k8s "$K8S_VERSION" "$hack/gomod/k8s" "$k8s_ldflags")"
 etcd_dir="$(recipe_dir etcd "$ETCD_VERSION" "$hack/gomod/etcd" "$etcd_ldflags")"
 helm_dir="$(recipe_dir helm "$HELM_VERSION" "$hack/gomod/helm" "$helm_ldflags")"
+kubeflow_ldflags="-s -w"
+kubeflow_dir="$(recipe_dir kubeflow "$KUBEFLOW_TRAINING_OPERATOR_VERSION" "$hack/gomod/kubeflow" \
+  "$kubeflow_ldflags")"
 
 print_paths() {
   echo "CTJ_ETCD_BIN_DIR=$etcd_dir/bin"
   echo "CTJ_K8S_BIN_DIR=$k8s_dir/bin"
   echo "CTJ_HELM_BIN_DIR=$helm_dir/bin"
+  echo "CTJ_KUBEFLOW_BIN_DIR=$kubeflow_dir/bin"
 }
 
 missing=()
-for d in "$etcd_dir" "$k8s_dir" "$helm_dir"; do [ -f "$d/.complete" ] || missing+=("$d"); done
+for d in "$etcd_dir" "$k8s_dir" "$helm_dir" "$kubeflow_dir"; do [ -f "$d/.complete" ] || missing+=("$d"); done
 if [ "$mode" = "--check" ]; then
   print_paths
   if (( ${#missing[@]} )); then log "not built: ${missing[*]}"; exit 3; fi
@@ -104,6 +122,10 @@ if [ ! -f "$k8s_dir/.complete" ]; then
 fi
 if [ ! -f "$helm_dir/.complete" ]; then
   build helm "$helm_dir" "$hack/gomod/helm" "$helm_ldflags" helm.sh/helm/v3/cmd/helm
+fi
+if [ ! -f "$kubeflow_dir/.complete" ]; then
+  build kubeflow "$kubeflow_dir" "$hack/gomod/kubeflow" "$kubeflow_ldflags" \
+    "$kubeflow_pkg/cmd/training-operator.v1"
 fi
 if (( ${#missing[@]} )); then
   log "cold build of ${missing[*]##*/} took $(( $(date +%s) - t0 ))s"

@@ -49,7 +49,9 @@ def hosts_entries(pods: Iterable[Obj], services: Iterable[Obj]) -> dict[str, lis
     A pod gets a name when it has hostname and subdomain, a headless Service named after
     the subdomain exists in its namespace and selects it, and it has an IP and is not
     terminating (as if publishNotReadyAddresses were true: ranks must find the master
-    before it reports Ready)."""
+    before it reports Ready). A headless Service's own name resolves, as CoreDNS's A
+    records do, to the pods it selects that are Ready (all of them with
+    publishNotReadyAddresses): the Kubeflow controller's MASTER_ADDR is such a name."""
     headless = {
         (s["metadata"]["namespace"], s["metadata"]["name"]): s
         for s in services
@@ -64,10 +66,30 @@ def hosts_entries(pods: Iterable[Obj], services: Iterable[Obj]) -> dict[str, lis
         service = headless.get((ns, subdomain))
         if service is None or not _selects(service, pod):
             continue
-        base = f"{hostname}.{subdomain}"
-        names = [f"{base}.{ns}.svc.{CLUSTER_DOMAIN}", f"{base}.{ns}.svc", f"{base}.{ns}", base]
-        lines.setdefault(ns, []).append(f"{pod['status']['podIP']}\t{' '.join(names)}")
+        lines.setdefault(ns, []).append(_line(pod, f"{hostname}.{subdomain}", ns))
+    for (ns, name), service in headless.items():
+        public = (service.get("spec") or {}).get("publishNotReadyAddresses")
+        for pod in pods:
+            if (
+                pod["metadata"]["namespace"] == ns
+                and _selects(service, pod)
+                and _published(pod)
+                and (public or _ready(pod))
+            ):
+                lines.setdefault(ns, []).append(_line(pod, name, ns))
     return {ns: sorted(entries) for ns, entries in lines.items()}
+
+
+def _line(pod: Obj, base: str, ns: str) -> str:
+    names = [f"{base}.{ns}.svc.{CLUSTER_DOMAIN}", f"{base}.{ns}.svc", f"{base}.{ns}", base]
+    return f"{pod['status']['podIP']}\t{' '.join(names)}"
+
+
+def _ready(pod: Obj) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
 
 
 def own_entry(pod: Obj, pod_ip: str) -> str:

@@ -24,6 +24,10 @@ STAGING_PATH = "/ctj/staging"
 DEFAULT_SIDECAR_IMAGE = "ctj-trainer:latest"
 ANNOTATION_LAST_CHECKPOINT = f"{GROUP}/last-checkpoint"  # rank 0's sidecar writes it
 ANNOTATION_CHECKPOINT_REQUEST = f"{GROUP}/checkpoint-request"  # the operator writes it
+# what the Kubeflow controller labels its pods with (rank = 0 for the master, index + 1 else)
+KF_REPLICA_TYPE = "training.kubeflow.org/replica-type"
+KF_REPLICA_INDEX = "training.kubeflow.org/replica-index"
+KF_PORT_NAME = "pytorchjob-port"  # the container port it reads MASTER_PORT from
 
 
 def master_port(attempt: int) -> int:
@@ -33,6 +37,19 @@ def master_port(attempt: int) -> int:
 
 def pod_name(job: str, attempt: int, node_rank: int) -> str:
     return f"{job}-a{attempt}-{node_rank}"
+
+
+def pytorchjob_name(job: str, attempt: int) -> str:
+    return f"{job}-a{attempt}"
+
+
+def rank_pod_name(spec: JobSpec, job: str, attempt: int, node_rank: int) -> str:
+    """The pod holding ``node_rank``, named by us (backend pods) or, as the Kubeflow
+    controller names them, ``<pytorchjob>-master-0`` and ``<pytorchjob>-worker-<i>``."""
+    if spec.backend != "pytorchjob":
+        return pod_name(job, attempt, node_rank)
+    base = pytorchjob_name(job, attempt)
+    return f"{base}-master-0" if node_rank == 0 else f"{base}-worker-{node_rank - 1}"
 
 
 def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
@@ -96,17 +113,21 @@ def _merge_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
     container["env"] = [e for e in container.get("env") or [] if e["name"] not in ours] + env
 
 
-def _heartbeat_env(spec: JobSpec, lease: str, node_rank: int) -> list[dict[str, Any]]:
-    """The sidecar renews the Lease named like its pod (see build_leases)."""
-    return [
-        {"name": "CTJ_HEARTBEAT_LEASE", "value": lease},
+def _heartbeat_env(spec: JobSpec, node_rank: int | None) -> list[dict[str, Any]]:
+    """The sidecar renews the Lease named like its pod (see build_leases). ``node_rank``
+    None: a Worker template the Kubeflow controller stamps out, whose sidecar only needs
+    to know it is not rank 0."""
+    env: list[dict[str, Any]] = [
+        {"name": "CTJ_HEARTBEAT_LEASE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {
             "name": "CTJ_POD_NAMESPACE",
             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
         },
         {"name": "CTJ_HEARTBEAT_PERIOD_S", "value": f"{spec.detection.heartbeat_period_seconds:g}"},
-        {"name": "NODE_RANK", "value": str(node_rank)},
     ]
+    if node_rank is not None:
+        env.append({"name": "NODE_RANK", "value": str(node_rank)})
+    return env
 
 
 def _sidecar(spec: JobSpec, uri: str) -> dict[str, Any]:
@@ -157,6 +178,20 @@ def _trainer_pod_spec(spec: JobSpec, uri: str, extra_env: list[dict[str, Any]]) 
     return pod_spec
 
 
+def _place(pod_spec: dict[str, Any], job: str, attempt: int, avoid: tuple[str, ...]) -> None:
+    """One node rank per node (losing a node loses one rank, not several), off ``avoid``."""
+    pod_spec.setdefault("affinity", {})["podAntiAffinity"] = {
+        "requiredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "labelSelector": {"matchLabels": {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt)}},
+                "topologyKey": "kubernetes.io/hostname",
+            }
+        ]
+    }
+    if avoid:
+        _avoid_nodes(pod_spec, avoid)
+
+
 def _avoid_nodes(pod_spec: dict[str, Any], nodes: tuple[str, ...]) -> None:
     """Keep the scheduler off ``nodes`` (suspect: a rank there went silent, but the node
     reads Ready until its grace period ends): ``metadata.name NotIn`` added to every
@@ -202,20 +237,10 @@ def build_pod(
     }
     pod_spec = _trainer_pod_spec(spec, uri, [{"name": k, "value": v} for k, v in torch_env.items()])
     sidecar = pod_spec["initContainers"][-1]
-    sidecar["env"] += _heartbeat_env(spec, name, node_rank)
+    sidecar["env"] += _heartbeat_env(spec, node_rank)
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = job
-    # one node rank per node: losing a node loses one rank, not several
-    pod_spec.setdefault("affinity", {})["podAntiAffinity"] = {
-        "requiredDuringSchedulingIgnoredDuringExecution": [
-            {
-                "labelSelector": {"matchLabels": {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt)}},
-                "topologyKey": "kubernetes.io/hostname",
-            }
-        ]
-    }
-    if avoid:
-        _avoid_nodes(pod_spec, avoid)
+    _place(pod_spec, job, attempt, avoid)
     template_meta = spec.template.get("metadata") or {}
     labels = dict(template_meta.get("labels") or {})
     labels.update(
@@ -249,17 +274,18 @@ def build_leases(
     """One heartbeat Lease per rank pod, named like the pod, made before it: its sidecar
     only renews it (get, patch), so the Role can name exactly these objects."""
     job = body["metadata"]["name"]
+    names = [rank_pod_name(spec, job, attempt, rank) for rank in range(world_size)]
     return [
         {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
             "metadata": {
-                "name": pod_name(job, attempt, rank),
+                "name": names[rank],
                 "labels": heartbeat_labels(job, attempt, rank),
                 "ownerReferences": [owner_reference(body)],
             },
             "spec": {
-                "holderIdentity": pod_name(job, attempt, rank),
+                "holderIdentity": names[rank],
                 "leaseDurationSeconds": max(1, round(spec.detection.heartbeat_timeout_seconds)),
             },
         }
@@ -276,7 +302,9 @@ def service_account(spec: JobSpec) -> str:
     return str(pod_spec.get("serviceAccountName") or pod_spec.get("serviceAccount") or "default")
 
 
-def build_heartbeat_role(body: dict[str, Any], *, attempt: int, world_size: int) -> dict[str, Any]:
+def build_heartbeat_role(
+    body: dict[str, Any], spec: JobSpec, *, attempt: int, world_size: int
+) -> dict[str, Any]:
     """get and patch on this attempt's Leases, by name: a pod can renew its gang's Leases
     and nothing else (no Secrets, no create, no other job's Leases)."""
     job = body["metadata"]["name"]
@@ -292,7 +320,7 @@ def build_heartbeat_role(body: dict[str, Any], *, attempt: int, world_size: int)
             {
                 "apiGroups": ["coordination.k8s.io"],
                 "resources": ["leases"],
-                "resourceNames": [pod_name(job, attempt, r) for r in range(world_size)],
+                "resourceNames": [rank_pod_name(spec, job, attempt, r) for r in range(world_size)],
                 "verbs": ["get", "patch"],
             }
         ],
@@ -325,44 +353,72 @@ def build_heartbeat_binding(body: dict[str, Any], spec: JobSpec) -> dict[str, An
 
 
 def build_pytorchjob(
-    body: dict[str, Any], spec: JobSpec, *, uri: str, attempt: int, world_size: int
+    body: dict[str, Any],
+    spec: JobSpec,
+    *,
+    uri: str,
+    attempt: int,
+    world_size: int,
+    avoid: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """The same attempt as a Kubeflow PyTorchJob (its controller sets MASTER_*/RANK)."""
+    """The same attempt as a Kubeflow PyTorchJob: its controller creates the pods and
+    sets MASTER_ADDR (its headless Service ``<name>-master-0``), MASTER_PORT (the port
+    named ``pytorchjob-port``: fresh per attempt, as ours), WORLD_SIZE and RANK.
+
+    The controller only runs the attempt; ending it is ours, as for our own pods. No
+    restarts (restartPolicy Never: one failed pod fails the PyTorchJob) and cleanPodPolicy
+    None, so a failed rank's pod stays to be read (a crash, or a peer of a lost node?)
+    until the operator deletes the PyTorchJob and, gracefully or by force, the pods. No
+    backoffLimit: on exceeding one, the controller deletes every pod before it marks the
+    job Failed (cleanPodPolicy is only honoured for a finished job), and the pods that
+    tell a crash from a lost node would be gone."""
     job = body["metadata"]["name"]
     pod_spec = _trainer_pod_spec(spec, uri, [{"name": "CTJ_ATTEMPT", "value": str(attempt)}])
-    pod_spec["containers"][0]["name"] = "pytorch"  # the name PyTorchJob requires
+    trainer = pod_spec["containers"][0]
+    trainer["name"] = "pytorch"  # the name PyTorchJob requires
+    ports = [p for p in trainer.get("ports") or [] if p.get("name") != KF_PORT_NAME]
+    trainer["ports"] = ports + [{"name": KF_PORT_NAME, "containerPort": master_port(attempt)}]
+    _place(pod_spec, job, attempt, avoid)
     labels = {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt), LABEL_WORLD: str(world_size)}
-    template = {"metadata": {"labels": labels}, "spec": pod_spec}
-    replicas: dict[str, Any] = {
-        "Master": {"replicas": 1, "restartPolicy": "Never", "template": template}
-    }
-    if world_size > 1:
-        replicas["Worker"] = {
-            "replicas": world_size - 1,
+    template_meta = spec.template.get("metadata") or {}
+    replicas: dict[str, Any] = {}
+    for kind, count, rank in (("Master", 1, 0), ("Worker", world_size - 1, None)):
+        if count < 1:
+            continue
+        kind_spec = copy.deepcopy(pod_spec)
+        kind_spec["initContainers"][-1]["env"] += _heartbeat_env(spec, rank)
+        replicas[kind] = {
+            "replicas": count,
             "restartPolicy": "Never",
-            "template": copy.deepcopy(template),
+            "template": {
+                "metadata": {
+                    "labels": {**(template_meta.get("labels") or {}), **labels},
+                    "annotations": dict(template_meta.get("annotations") or {}),
+                },
+                "spec": kind_spec,
+            },
         }
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": {
-            "name": f"{job}-a{attempt}",
+            "name": pytorchjob_name(job, attempt),
             "labels": labels,
             "ownerReferences": [owner_reference(body)],
         },
         "spec": {
             "nprocPerNode": str(spec.nproc_per_node),
-            "runPolicy": {"cleanPodPolicy": "All", "backoffLimit": 0},
+            "runPolicy": {"cleanPodPolicy": "None"},
             "pytorchReplicaSpecs": replicas,
         },
     }
 
 
-def pytorchjob_phase(pytorchjob: dict[str, Any]) -> str:
-    """Read a PyTorchJob's status back as Running | Succeeded | Failed | Pending."""
-    conditions = (pytorchjob.get("status") or {}).get("conditions") or []
-    true = [c["type"] for c in conditions if c.get("status") == "True"]
-    for phase in ("Succeeded", "Failed", "Running"):
-        if phase in true:
-            return phase
-    return "Pending"
+def pytorchjob_failure(pytorchjob: dict[str, Any]) -> str:
+    """Why the Kubeflow controller failed the PyTorchJob ("" while it has not)."""
+    for c in (pytorchjob.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Failed" and c.get("status") == "True":
+            name = (pytorchjob.get("metadata") or {}).get("name", "")
+            why = c.get("message") or c.get("reason") or "no reason given"
+            return f"PyTorchJob {name} failed: {why}"
+    return ""

@@ -108,6 +108,9 @@ class Observation:
     last_checkpoint: Mapping[str, Any] | None = None  # what rank 0's sidecar reports
     uri: str = ""  # the checkpoint location a first start pins
     now: float = 0.0
+    controller_failure: str = ""
+    """Backend pytorchjob: why the Kubeflow controller failed the attempt's PyTorchJob
+    ("" while it has not). Read after the pods: they tell a crash from a lost node."""
 
 
 # ---- the actions a plan is made of (handlers.py applies each) ----
@@ -277,6 +280,8 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
                 return Ending("HeartbeatLost", msg, Cause.NODE, (quiet.node_name or "",))
             why = f" ({p.reason})" if p.reason else ""
             return Ending("PodFailed", f"pod {p.name} failed{why}", Cause.CRASH)
+    if obs.controller_failure:
+        return Ending("PyTorchJobFailed", obs.controller_failure, Cause.CRASH)
     timeout = spec.detection.heartbeat_timeout_seconds
     for p in ranked:
         silent = obs.beats.get(p.node_rank)

@@ -35,7 +35,6 @@ from .decisions import (
     Observation,
     PatchStatus,
     Plan,
-    PodView,
     Recovered,
     RequestCheckpoint,
     Restarted,
@@ -166,9 +165,10 @@ async def kubelet_gone(event: kopf.RawEvent, name: str, **_: Any) -> None:
 async def ctj_pytorchjobs(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> Any:
-    """Registered by __main__ only where the PyTorchJob CRD exists."""
+    """Registered by __main__ only where the PyTorchJob CRD exists: (attempt, why the
+    Kubeflow controller failed it, or "")."""
     attempt = int(labels.get(builders.LABEL_ATTEMPT, "0"))
-    return {(namespace, labels[LABEL_JOB]): (attempt, builders.pytorchjob_phase(dict(body)))}
+    return {(namespace, labels[LABEL_JOB]): (attempt, builders.pytorchjob_failure(dict(body)))}
 
 
 # ---- the reconcile ----
@@ -229,8 +229,9 @@ def reconcile(body: kopf.Body, name: str, namespace: str | None, uid: str, **ind
         pod_view(s, PHASES.silent_for((namespace, s["name"])))
         for s in _values(indexes["ctj_pods"], key)
     ]
+    failure = ""
     if spec.backend == "pytorchjob" and state.attempt and state.pods_created:
-        pods = _pytorchjob_views(name, namespace, state, indexes.get("ctj_pytorchjobs"))
+        failure = _pytorchjob_failure(name, namespace, state, indexes.get("ctj_pytorchjobs"))
     nodes = [s for store in indexes["cluster_nodes"].values() for s in store]
     leases = _values(indexes["ctj_leases"], key)
     obs = Observation(
@@ -246,6 +247,7 @@ def reconcile(body: kopf.Body, name: str, namespace: str | None, uid: str, **ind
         last_checkpoint=_last_checkpoint(leases),
         uri=uri,
         now=time.time(),
+        controller_failure=failure,
         **_capacity(raw, spec, uri, nodes, indexes["node_usage"], key),
     )
     if _FITS.get(uid) != len(obs.fits):
@@ -309,30 +311,29 @@ def _last_checkpoint(leases: Iterable[Mapping[str, Any]]) -> dict[str, Any] | No
     return best
 
 
-def _pytorchjob_views(
+def _pytorchjob_failure(
     name: str, namespace: str, state: JobState, index: kopf.Index[Any, Any] | None
-) -> list[PodView]:
-    """The attempt's PyTorchJob, read back as one view per node rank."""
-    phase = None
+) -> str:
+    """Why the Kubeflow controller failed this attempt's PyTorchJob, or "". Its pods are
+    judged like ours (they carry our labels); this is what only the controller knows."""
     if index is not None:
-        for attempt, found in index.get((namespace, name), ()):
-            if attempt == state.attempt:
-                phase = found
-    else:  # the CRD appeared after start-up: read it (one GET per tick for this backend)
-        try:
-            job = Cluster.custom.get_namespaced_custom_object(
-                "kubeflow.org", "v1", namespace, "pytorchjobs", f"{name}-a{state.attempt}"
-            )
-            phase = builders.pytorchjob_phase(job)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-    if phase is None:
-        return []  # deleted: the attempt is over
-    return [
-        PodView(f"{name}-a{state.attempt}", state.attempt, rank, phase, None, reason="PyTorchJob")
-        for rank in range(state.world_size)
-    ]
+        return next(
+            (why for attempt, why in index.get((namespace, name), ()) if attempt == state.attempt),
+            "",
+        )
+    try:  # the CRD appeared after start-up: read it (one GET per tick for this backend)
+        job = Cluster.custom.get_namespaced_custom_object(
+            "kubeflow.org",
+            "v1",
+            namespace,
+            "pytorchjobs",
+            builders.pytorchjob_name(name, state.attempt),
+        )
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return ""  # deleted: its pods go with it, and are seen going
+    return builders.pytorchjob_failure(job)
 
 
 # ---- applying a plan ----
@@ -386,7 +387,8 @@ def _apply(
         elif isinstance(action, DeleteAttempt):
             _delete_attempt(namespace, name, spec, action.attempt)
         elif isinstance(action, RequestCheckpoint):
-            _request_checkpoint(namespace, name, action)
+            assert spec is not None
+            _request_checkpoint(namespace, name, spec, action)
         elif isinstance(action, Emit):
             _event(body, action.type, action.reason, action.message)
         elif isinstance(action, Restarted):
@@ -459,8 +461,22 @@ def _create_or_replace_role(namespace: str, role: dict[str, Any]) -> None:
 def _create_attempt(body: dict[str, Any], spec: JobSpec, uri: str, action: CreateAttempt) -> None:
     namespace = body["metadata"]["namespace"]
     attempt, world_size = action.attempt, action.world_size
+    # heartbeats first: a rank's sidecar renews a Lease that exists, under a Role naming it
+    _create_or_replace_role(
+        namespace,
+        builders.build_heartbeat_role(body, spec, attempt=attempt, world_size=world_size),
+    )
+    _create(
+        Cluster.rbac.create_namespaced_role_binding,
+        namespace,
+        builders.build_heartbeat_binding(body, spec),
+    )
+    for lease in builders.build_leases(body, spec, attempt=attempt, world_size=world_size):
+        _create(Cluster.coordination.create_namespaced_lease, namespace, lease)
     if spec.backend == "pytorchjob":
-        job = builders.build_pytorchjob(body, spec, uri=uri, attempt=attempt, world_size=world_size)
+        job = builders.build_pytorchjob(
+            body, spec, uri=uri, attempt=attempt, world_size=world_size, avoid=action.avoid
+        )
         _create(
             Cluster.custom.create_namespaced_custom_object,
             "kubeflow.org",
@@ -470,17 +486,6 @@ def _create_attempt(body: dict[str, Any], spec: JobSpec, uri: str, action: Creat
             job,
         )
         return
-    # heartbeats first: a rank's sidecar renews a Lease that exists, under a Role naming it
-    _create_or_replace_role(
-        namespace, builders.build_heartbeat_role(body, attempt=attempt, world_size=world_size)
-    )
-    _create(
-        Cluster.rbac.create_namespaced_role_binding,
-        namespace,
-        builders.build_heartbeat_binding(body, spec),
-    )
-    for lease in builders.build_leases(body, spec, attempt=attempt, world_size=world_size):
-        _create(Cluster.coordination.create_namespaced_lease, namespace, lease)
     _create(Cluster.core.create_namespaced_service, namespace, builders.build_service(body))
     for rank in range(world_size):
         pod = builders.build_pod(
@@ -516,7 +521,11 @@ def _delete_attempt(namespace: str, name: str, spec: JobSpec | None, attempt: in
     if spec is not None and spec.backend == "pytorchjob":
         try:
             Cluster.custom.delete_namespaced_custom_object(
-                "kubeflow.org", "v1", namespace, "pytorchjobs", f"{name}-a{attempt}"
+                "kubeflow.org",
+                "v1",
+                namespace,
+                "pytorchjobs",
+                builders.pytorchjob_name(name, attempt),
             )
         except ApiException as exc:
             if exc.status != 404:
@@ -525,12 +534,14 @@ def _delete_attempt(namespace: str, name: str, spec: JobSpec | None, attempt: in
     Cluster.coordination.delete_collection_namespaced_lease(namespace, label_selector=selector)
 
 
-def _request_checkpoint(namespace: str, name: str, action: RequestCheckpoint) -> None:
+def _request_checkpoint(
+    namespace: str, name: str, spec: JobSpec, action: RequestCheckpoint
+) -> None:
     """Annotate every rank's Lease: its sidecar sees it on the next beat and tells the
     trainer (docs/operator.md, "Planned transitions")."""
     patch = {"metadata": {"annotations": {ANNOTATION_CHECKPOINT_REQUEST: action.request_id}}}
     for rank in range(action.world_size):
-        lease = builders.pod_name(name, action.attempt, rank)
+        lease = builders.rank_pod_name(spec, name, action.attempt, rank)
         try:
             Cluster.coordination.patch_namespaced_lease(lease, namespace, patch)
         except ApiException as exc:

@@ -12,8 +12,25 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .builders import ANNOTATION_LAST_CHECKPOINT, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK
+from .builders import (
+    ANNOTATION_LAST_CHECKPOINT,
+    KF_REPLICA_INDEX,
+    KF_REPLICA_TYPE,
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    LABEL_RANK,
+)
 from .decisions import NodeView, PodView
+
+
+def node_rank(labels: Mapping[str, str]) -> int:
+    """Our pods carry their rank; the Kubeflow controller's carry its replica type and
+    index (the master is rank 0, worker i is rank i + 1, as it sets RANK)."""
+    if LABEL_RANK in labels:
+        return int(labels[LABEL_RANK])
+    if labels.get(KF_REPLICA_TYPE) == "worker":
+        return int(labels.get(KF_REPLICA_INDEX, "0")) + 1
+    return 0
 
 
 def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -33,7 +50,7 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "name": meta["name"],
         "attempt": int(labels.get(LABEL_ATTEMPT, "0")),
-        "rank": int(labels.get(LABEL_RANK, "0")),
+        "rank": node_rank(labels),
         "phase": status.get("phase") or "Pending",
         "node": spec.get("nodeName"),
         "terminating": meta.get("deletionTimestamp") is not None,
@@ -97,7 +114,7 @@ def lease_summary(body: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "name": meta["name"],
         "attempt": int(labels.get(LABEL_ATTEMPT, "0")),
-        "rank": int(labels.get(LABEL_RANK, "0")),
+        "rank": node_rank(labels),
         "renew": spec.get("renewTime"),
         "checkpoint": notes.get(ANNOTATION_LAST_CHECKPOINT),
     }

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import yaml
-from ctj_devcluster import Binaries, Cluster, ClusterConfig
+from ctj_devcluster import Binaries, BinariesMissing, Cluster, ClusterConfig
+from ctj_devcluster.kubeflow import KubeflowBuild
 from kubernetes import client
 
 from tests.conftest import ROOT, retry_on_bind_conflict
@@ -36,12 +37,18 @@ def wait_for(condition: Callable[[], Any], what: str, timeout: float = 120.0) ->
         time.sleep(0.1)
 
 
+def kubeflow_build() -> KubeflowBuild:
+    """The training-operator hack/cluster-binaries.sh built (skip, saying so, if not)."""
+    try:
+        return KubeflowBuild.find()
+    except BinariesMissing as exc:
+        pytest.skip(str(exc))
+
+
 def install_crd(cluster: Cluster) -> None:
     """Apply crds/ and wait until the API server serves the kind."""
     cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}"
-    )
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
 
 
 @pytest.fixture(scope="module")
@@ -275,10 +282,13 @@ def print_pod_logs(cluster: Cluster, namespace: str, tail: int = 3000) -> None:
             print(f"---- {pod.metadata.name}/{container} (tail) ----\n{text[-tail:]}")
 
 
-def trainer_events(cluster: Cluster, namespace: str, pod: str) -> list[dict[str, Any]]:
-    """The JSON events examples/train_fsdp.py printed in a pod's trainer container."""
+def trainer_events(
+    cluster: Cluster, namespace: str, pod: str, container: str = "trainer"
+) -> list[dict[str, Any]]:
+    """The JSON events examples/train_fsdp.py printed in a pod's trainer container
+    (``pytorch`` in a PyTorchJob's pods)."""
     try:
-        text = cluster.container_log(namespace, pod, "trainer")
+        text = cluster.container_log(namespace, pod, container)
     except FileNotFoundError:
         return []
     events = []
@@ -291,8 +301,11 @@ def trainer_events(cluster: Cluster, namespace: str, pod: str) -> list[dict[str,
     return events
 
 
-def committed_steps(cluster: Cluster, namespace: str, pod: str) -> list[int]:
-    return [e["step"] for e in trainer_events(cluster, namespace, pod) if e["event"] == "committed"]
+def committed_steps(
+    cluster: Cluster, namespace: str, pod: str, container: str = "trainer"
+) -> list[int]:
+    events = trainer_events(cluster, namespace, pod, container)
+    return [e["step"] for e in events if e["event"] == "committed"]
 
 
 def job_events(cluster: Cluster, namespace: str, name: str) -> list[Any]:

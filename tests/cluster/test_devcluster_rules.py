@@ -179,6 +179,24 @@ def test_dns_names_pods_of_headless_services_only() -> None:
     assert dns.hosts_entries([terminating], [_service("trainers")]) == {}
 
 
+def test_a_headless_services_name_resolves_to_the_ready_pods_it_selects() -> None:
+    """As CoreDNS answers for the Kubeflow controller's per-replica Services: the Ready
+    pods only, unless the Service publishes not-ready addresses."""
+    plain = {**POD, "spec": {"nodeName": "node-1"}}  # no hostname/subdomain of its own
+    ready = {
+        **plain,
+        "status": {**POD["status"], "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    svc = "kf-a1-master-0"
+    line = f"127.10.1.2\t{svc}.ml.svc.cluster.local {svc}.ml.svc {svc}.ml {svc}"
+    assert dns.hosts_entries([ready], [_service(svc)]) == {"ml": [line]}
+    assert dns.hosts_entries([plain], [_service(svc)]) == {}
+    public = _service(svc)
+    public["spec"]["publishNotReadyAddresses"] = True
+    assert dns.hosts_entries([plain], [public]) == {"ml": [line]}
+    assert dns.hosts_entries([ready], [_service(svc, ns="other")]) == {}
+
+
 def test_a_pod_resolves_its_own_hostname_first() -> None:
     own = dns.own_entry(POD, "127.10.1.2")
     assert own == "127.10.1.2\ttrainer-0.trainers.ml.svc.cluster.local trainer-0"

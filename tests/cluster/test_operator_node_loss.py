@@ -35,8 +35,18 @@ from tests.unit.test_chart_files import DASHBOARD, dashboard_exprs
 
 # what a series may be labelled with: the scrape's, the monitors', the metrics' own
 ALLOWED_LABELS = {
-    "__name__", "job", "instance", "namespace", "pod", "job_name",
-    "stage", "kind", "le", "reason", "cause", "phase",
+    "__name__",
+    "job",
+    "instance",
+    "namespace",
+    "pod",
+    "job_name",
+    "stage",
+    "kind",
+    "le",
+    "reason",
+    "cause",
+    "phase",
 }
 
 pytestmark = pytest.mark.cluster

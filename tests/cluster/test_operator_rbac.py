@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 from ctj_devcluster import Cluster
+from ctj_devcluster.kubeflow import install_crd as install_pytorchjob_crd
 
 from tests.cluster.operator_env import (
     FAST_TRAINING,
     OperatorProcess,
     create_job,
     job_manifest,
+    kubeflow_build,
     running,
     status,
     wait_for,
@@ -77,7 +79,7 @@ DENIED = [
 @pytest.fixture(scope="module")
 def rbac(op_cluster: Cluster) -> Iterator[None]:
     # kubectl auth can-i resolves resources by discovery: the PyTorchJob API must exist
-    op_cluster.kubectl("apply", "-f", str(Path(__file__).parent / "data" / "pytorchjob-crd.yaml"))
+    install_pytorchjob_crd(op_cluster, kubeflow_build())
     op_cluster.kubectl("create", "namespace", "ctj-system")
     op_cluster.kubectl("apply", "-f", str(RBAC))
     yield

@@ -21,19 +21,30 @@ pytestmark = pytest.mark.integration
 def ctj(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "trainer_sidecar", *args],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=dict(os.environ, **(env or {})),
     )
 
 
 def test_export_is_read_by_stock_dcp_bitwise(s3_uri: str, tmp_path: Path) -> None:
-    args = {"kind": "fsdp", "uri": s3_uri, "step": 3, "ref": str(tmp_path / "ref.pt"),
-            "export_dir": str(tmp_path / "plain"), "torch_save": str(tmp_path / "full.pt")}
+    args = {
+        "kind": "fsdp",
+        "uri": s3_uri,
+        "step": 3,
+        "ref": str(tmp_path / "ref.pt"),
+        "export_dir": str(tmp_path / "plain"),
+        "torch_save": str(tmp_path / "full.pt"),
+    }
     run_ranks(2, "tests.integration.workers:save", args)
 
     out = ctj("checkpoints", "ls", s3_uri)
     assert out.returncode == 0 and "full" in out.stdout and "3" in out.stdout, out
-    out = ctj("checkpoints", "export", s3_uri, args["export_dir"], "--torch-save",
-              args["torch_save"])
+    out = ctj(
+        "checkpoints", "export", s3_uri, args["export_dir"], "--torch-save", args["torch_save"]
+    )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "plain" / ".metadata").exists()
     run_ranks(1, "tests.integration.workers:stock_load_of_export", args)
@@ -59,18 +70,28 @@ def assert_one_line_error(out: subprocess.CompletedProcess[str], *phrases: str) 
 
 
 def test_wrong_scheme() -> None:
-    assert_one_line_error(ctj("checkpoints", "ls", "gs://bucket/x"),
-                          "unsupported URI scheme 'gs'", "use s3://bucket/prefix")
+    assert_one_line_error(
+        ctj("checkpoints", "ls", "gs://bucket/x"),
+        "unsupported URI scheme 'gs'",
+        "use s3://bucket/prefix",
+    )
 
 
 def test_missing_bucket(s3_env: dict[str, str]) -> None:
-    assert_one_line_error(ctj("checkpoints", "ls", "s3://no-such-bucket/x"),
-                          "bucket 'no-such-bucket' does not exist", "create it")
+    assert_one_line_error(
+        ctj("checkpoints", "ls", "s3://no-such-bucket/x"),
+        "bucket 'no-such-bucket' does not exist",
+        "create it",
+    )
 
 
 def test_wrong_credentials(s3_with_auth: str) -> None:
-    env = {"AWS_ENDPOINT_URL": s3_with_auth, "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG1",
-           "AWS_SECRET_ACCESS_KEY": "wrong-secret", "AWS_REGION": "us-east-1"}
+    env = {
+        "AWS_ENDPOINT_URL": s3_with_auth,
+        "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG1",
+        "AWS_SECRET_ACCESS_KEY": "wrong-secret",
+        "AWS_REGION": "us-east-1",
+    }
     out = ctj("checkpoints", "ls", "s3://bucket/x", env=env)
     assert_one_line_error(out, "refused our credentials", "AWS_ACCESS_KEY_ID")
     assert "wrong-secret" not in out.stderr and "AKIAWRONG" not in out.stderr
@@ -78,14 +99,21 @@ def test_wrong_credentials(s3_with_auth: str) -> None:
 
 def test_unreachable_endpoint(s3_env: dict[str, str]) -> None:
     closed = f"http://127.0.0.1:{free_port()}"
-    out = ctj("checkpoints", "ls", "s3://bucket/x", "--endpoint-url", closed,
-              env={"CTJ_S3_MAX_ATTEMPTS": "2"})
+    out = ctj(
+        "checkpoints",
+        "ls",
+        "s3://bucket/x",
+        "--endpoint-url",
+        closed,
+        env={"CTJ_S3_MAX_ATTEMPTS": "2"},
+    )
     assert_one_line_error(out, "is unreachable after 2 attempts", closed)
 
 
 def test_unknown_step(s3_uri: str) -> None:
-    assert_one_line_error(ctj("checkpoints", "show", s3_uri, "--step", "9"),
-                          "no committed checkpoint at step 9")
+    assert_one_line_error(
+        ctj("checkpoints", "show", s3_uri, "--step", "9"), "no committed checkpoint at step 9"
+    )
 
 
 def test_state_that_does_not_match_the_checkpoint(s3_uri: str) -> None:

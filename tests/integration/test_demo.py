@@ -15,7 +15,10 @@ pytestmark = pytest.mark.integration
 def test_local_demo_resumes_at_a_new_world_size_from_the_last_commit() -> None:
     out = subprocess.run(
         [sys.executable, "examples/local_demo.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "killed rank 1 with SIGKILL" in out.stdout

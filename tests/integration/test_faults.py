@@ -32,7 +32,10 @@ def small_model(seed: int) -> torch.nn.Module:
 def ctj(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "trainer_sidecar", *args],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
 
 
@@ -80,9 +83,15 @@ def test_kill_9_mid_upload_leaves_previous_checkpoint_and_gc_cleans(
     marker = tmp_path / "hung"
     args = {"uri": s3_uri, "ref": str(tmp_path / "ref.pt"), "marker": str(marker)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.ranks",
-         "tests.integration.workers:save_then_die_mid_upload", json.dumps(args)],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.ranks",
+            "tests.integration.workers:save_then_die_mid_upload",
+            json.dumps(args),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
     )
     deadline = time.monotonic() + 120
     while not marker.exists():

@@ -40,9 +40,7 @@ def test_each_alert_fires_on_what_it_should_and_only_that() -> None:
 
 def test_every_alert_has_a_unit_test_that_fires_it() -> None:
     tests = yaml.safe_load(RULE_TESTS.read_text())["tests"]
-    fired = {
-        t["alertname"] for case in tests for t in case["alert_rule_test"] if t["exp_alerts"]
-    }
+    fired = {t["alertname"] for case in tests for t in case["alert_rule_test"] if t["exp_alerts"]}
     assert fired == {a["alert"] for a in alerts()}
 
 

@@ -74,6 +74,7 @@ def observe(
     fits: list[str] | None = None,
     beats: dict[int, float | None] | None = None,
     last_checkpoint: dict[str, Any] | None = None,
+    controller_failure: str = "",
 ) -> Observation:
     usable = [n.name for n in the_nodes if n.ready and not n.cordoned]
     return Observation(
@@ -86,6 +87,7 @@ def observe(
         last_checkpoint=last_checkpoint,
         uri="s3://b/p/ns/job-uid",
         now=now,
+        controller_failure=controller_failure,
     )
 
 
@@ -504,3 +506,20 @@ def test_a_pod_not_yet_seen_right_after_the_start_is_not_gone() -> None:
     fresh = dataclasses.replace(RUNNING3, attempt_started=0.0)
     assert what(decide(observe(fresh, pods(2), nodes(3), 10.0))) == "wait"
     assert what(decide(observe(fresh, pods(2), nodes(3), 31.0))) == "restart PodDeleted node"
+
+
+def test_the_kubeflow_controllers_failure_is_read_after_the_pods() -> None:
+    """Backend pytorchjob: a PyTorchJob failed by its controller ends the attempt as a
+    crash when the pods show nothing else; when they do, they decide: a peer silent
+    since the failure (a lost node?) is waited for, and a lost node is the node's fault."""
+    failed = "PyTorchJob demo-a1 failed: 1 Worker replica(s) failed"
+    plan = decide(observe(RUNNING3, pods(3), nodes(3), controller_failure=failed))
+    assert what(plan) == "restart PyTorchJobFailed crash"
+    assert plan.status()["conditions"][-1]["message"].startswith(failed)
+    survivors = [pod(0, "Failed", phase_age=3.0), pod(1, "Failed", phase_age=3.0), pod(2)]
+    beats: dict[int, float | None] = {0: 3.5, 1: 3.5, 2: 4.0}
+    waiting = observe(RUNNING3, survivors, nodes(3), 3.0, beats=beats, controller_failure=failed)
+    assert what(decide(waiting)) == "wait"
+    on_lost_node = [pod(0), pod(1, node="bad0"), pod(2)]
+    lost = observe(RUNNING3, on_lost_node, nodes(3, not_ready=1), controller_failure=failed)
+    assert what(decide(lost)) == "restart NodeNotReady node"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ctj_operator.observe import Freshness
+from ctj_operator.observe import Freshness, node_rank
 
 
 def test_freshness_counts_from_the_last_change_and_forgets_what_is_deleted() -> None:
@@ -24,3 +24,11 @@ def test_freshness_counts_from_the_last_change_and_forgets_what_is_deleted() -> 
     f.drop("lease")
     f.drop("never seen")
     assert f.silent_for("lease") is None and len(f) == 0
+
+
+def test_a_rank_is_read_from_our_label_or_from_the_kubeflow_controllers() -> None:
+    assert node_rank({"training.ctj.dev/node-rank": "2"}) == 2
+    kf = "training.kubeflow.org/replica-"
+    assert node_rank({f"{kf}type": "master", f"{kf}index": "0"}) == 0
+    assert node_rank({f"{kf}type": "worker", f"{kf}index": "0"}) == 1
+    assert node_rank({f"{kf}type": "worker", f"{kf}index": "4"}) == 5

@@ -148,29 +148,52 @@ def test_pytorchjob_has_one_master_and_n_minus_one_workers(world_size: int) -> N
     assert job["metadata"]["ownerReferences"][0]["uid"] == "u-1"
 
 
-@pytest.mark.parametrize(
-    ("conditions", "phase"),
-    [
-        ([], "Pending"),
-        ([{"type": "Created", "status": "True"}], "Pending"),
-        ([{"type": "Running", "status": "True"}], "Running"),
-        ([{"type": "Running", "status": "False"}, {"type": "Failed", "status": "True"}], "Failed"),
-        (
-            [{"type": "Running", "status": "False"}, {"type": "Succeeded", "status": "True"}],
-            "Succeeded",
-        ),
-    ],
-)
-def test_pytorchjob_status_reads_back_as_a_phase(
-    conditions: list[dict[str, str]], phase: str
-) -> None:
-    assert builders.pytorchjob_phase({"status": {"conditions": conditions}}) == phase
+def test_pytorchjob_rendezvous_port_placement_and_restart_rules() -> None:
+    """What the Kubeflow controller reads (the port named pytorchjob-port becomes
+    MASTER_PORT) and what it must not do (restart a rank, or delete the pods of a failed
+    attempt before the operator has read them: no backoffLimit, cleanPodPolicy None)."""
+    spec = job_spec()
+    job = builders.build_pytorchjob(BODY, spec, uri=URI, attempt=2, world_size=3, avoid=("n2",))
+    assert job["spec"]["runPolicy"] == {"cleanPodPolicy": "None"}
+    for kind in ("Master", "Worker"):
+        replica = job["spec"]["pytorchReplicaSpecs"][kind]
+        assert replica["restartPolicy"] == "Never"
+        pod_spec = replica["template"]["spec"]
+        (port,) = pod_spec["containers"][0]["ports"]
+        assert port == {"name": "pytorchjob-port", "containerPort": builders.master_port(2)}
+        affinity = pod_spec["affinity"]
+        anti = affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert anti[0]["labelSelector"]["matchLabels"] == {
+            builders.LABEL_JOB: "demo",
+            builders.LABEL_ATTEMPT: "2",
+        }
+        terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert terms["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["n2"]
+        labels = replica["template"]["metadata"]["labels"]
+        assert labels["team"] == "ml" and labels[builders.LABEL_ATTEMPT] == "2"
+
+
+def test_a_failed_pytorchjob_says_why() -> None:
+    assert builders.pytorchjob_failure({"status": {"conditions": []}}) == ""
+    running = [{"type": "Running", "status": "True"}]
+    assert builders.pytorchjob_failure({"status": {"conditions": running}}) == ""
+    failed = {
+        "metadata": {"name": "demo-a1"},
+        "status": {
+            "conditions": [
+                {"type": "Running", "status": "False"},
+                {"type": "Failed", "status": "True", "message": "1 Worker replica(s) failed."},
+            ]
+        },
+    }
+    why = builders.pytorchjob_failure(failed)
+    assert why == "PyTorchJob demo-a1 failed: 1 Worker replica(s) failed."
 
 
 def test_heartbeat_lease_role_and_sidecar_env_name_exactly_the_attempts_pods() -> None:
     (lease,) = builders.build_leases(BODY, job_spec(), attempt=2, world_size=1)
     assert lease["metadata"]["name"] == "demo-a2-0" == lease["spec"]["holderIdentity"]
-    role = builders.build_heartbeat_role(BODY, attempt=2, world_size=3)
+    role = builders.build_heartbeat_role(BODY, job_spec(), attempt=2, world_size=3)
     (rule,) = role["rules"]
     assert rule["resourceNames"] == ["demo-a2-0", "demo-a2-1", "demo-a2-2"]
     assert rule["verbs"] == ["get", "patch"] and rule["resources"] == ["leases"]
@@ -178,7 +201,24 @@ def test_heartbeat_lease_role_and_sidecar_env_name_exactly_the_attempts_pods() -
     assert binding["subjects"][0]["name"] == "default"
     sidecar = pod()["spec"]["initContainers"][-1]
     env = env_of(sidecar)
-    assert env["CTJ_HEARTBEAT_LEASE"] == "demo-a2-1" and env["NODE_RANK"] == "1"
+    assert env["CTJ_HEARTBEAT_LEASE"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["NODE_RANK"] == "1"
+
+
+def test_pytorchjob_leases_are_named_like_the_pods_the_kubeflow_controller_makes() -> None:
+    spec = job_spec(backend="pytorchjob")
+    leases = builders.build_leases(BODY, spec, attempt=2, world_size=3)
+    names = ["demo-a2-master-0", "demo-a2-worker-0", "demo-a2-worker-1"]
+    assert [lease["metadata"]["name"] for lease in leases] == names
+    assert [lease["metadata"]["labels"][builders.LABEL_RANK] for lease in leases] == ["0", "1", "2"]
+    role = builders.build_heartbeat_role(BODY, spec, attempt=2, world_size=3)
+    assert role["rules"][0]["resourceNames"] == names
+    job = builders.build_pytorchjob(BODY, spec, uri=URI, attempt=2, world_size=3)
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    master = env_of(replicas["Master"]["template"]["spec"]["initContainers"][-1])
+    worker = env_of(replicas["Worker"]["template"]["spec"]["initContainers"][-1])
+    assert master["CTJ_HEARTBEAT_LEASE"] == worker["CTJ_HEARTBEAT_LEASE"]  # the pod's name
+    assert master["NODE_RANK"] == "0" and "NODE_RANK" not in worker
 
 
 def test_suspect_nodes_are_excluded_from_every_node_selector_term() -> None:
