@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .binaries import BinariesMissing
 from .cluster import Cluster, ClusterConfig
+from .kubeflow import KubeflowController
 
 
 def _state(root: Path) -> dict | None:
@@ -77,8 +78,14 @@ def serve(args: argparse.Namespace) -> int:
             image_entrypoints=entrypoints,
         )
     )
+    kubeflow = None
     try:
         cluster.start()
+        if args.kubeflow:
+            kubeflow = KubeflowController(cluster, root / "kubeflow")
+            kubeflow.install()
+            kubeflow.start()
+            print(f"Kubeflow PyTorchJob controller running, log {kubeflow.log_path}")
         (root / "ready").touch()
         state = _state(root)
         assert state is not None
@@ -87,6 +94,8 @@ def serve(args: argparse.Namespace) -> int:
         while not stop.wait(1.0):
             cluster.control_plane.check_alive()
     finally:
+        if kubeflow is not None:
+            kubeflow.stop()
         cluster.stop()
         (root / "ready").unlink(missing_ok=True)
     return 0
@@ -114,6 +123,7 @@ def up(args: argparse.Namespace) -> int:
         f"--gpu-resource={args.gpu_resource}",
         f"--node-grace={args.node_grace}",
         *(f"--image-entrypoint={e}" for e in args.image_entrypoint),
+        *(["--kubeflow"] if args.kubeflow else []),
     ]
     log = root / "devcluster.log"
     with open(log, "ab") as out:
@@ -197,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="REPOSITORY=COMMAND",
         help="command for containers of this image that give none (there are no images "
         "here), e.g. ghcr.io/ctj/operator='python -m ctj_operator'; repeatable",
+    )
+    parser.add_argument(
+        "--kubeflow",
+        action="store_true",
+        help="also run the Kubeflow PyTorchJob controller (for spec.backend: pytorchjob)",
     )
     parser.add_argument(
         "--foreground", action="store_true", help="up: run in this terminal until Ctrl-C"
