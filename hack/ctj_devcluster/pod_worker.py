@@ -137,6 +137,14 @@ class PodWorker:
         self.delete_when_stopped = delete
         self._stop.set()
 
+    def _addresses(self) -> dict[str, Any]:
+        return {
+            "hostIP": self.agent.node_ip,
+            "hostIPs": [{"ip": self.agent.node_ip}],
+            "podIP": self.pod_ip,
+            "podIPs": [{"ip": self.pod_ip}],
+        }
+
     # --- the worker thread -------------------------------------------------------------
     @property
     def restart_policy(self) -> str:
@@ -216,8 +224,11 @@ class PodWorker:
         if time.monotonic() < c.next_start:
             return
         try:
+            # the addresses as the kubelet knows them, not as the watch last delivered
+            # them: a container started before our first status write must see its pod IP
+            known = {**self.pod, "status": {**(self.pod.get("status") or {}), **self._addresses()}}
             env = podspec.container_env(
-                self.pod,
+                known,
                 c.spec,
                 base=self._base_env(),
                 get_secret=self.agent.pod_api.get_secret,
@@ -386,10 +397,7 @@ class PodWorker:
         not_ready = "PodCompleted" if terminal else "ContainersNotReady"
         status: dict[str, Any] = {
             "phase": phase,
-            "hostIP": self.agent.node_ip,
-            "hostIPs": [{"ip": self.agent.node_ip}],
-            "podIP": self.pod_ip,
-            "podIPs": [{"ip": self.pod_ip}],
+            **self._addresses(),
             "startTime": self._start_time,
             "conditions": [
                 self._condition(

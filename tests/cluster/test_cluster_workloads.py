@@ -243,3 +243,29 @@ def test_init_container_then_native_sidecar_then_main(cluster: Cluster, namespac
     # the sidecar was stopped (SIGTERM) once the trainer finished
     assert inits["sidecar"]["terminated"]["exitCode"] == 128 + 15
     assert "trainer saw init and sidecar" in cluster.container_log(namespace, "trainer", "trainer")
+
+
+def test_the_first_container_already_sees_its_pod_ip(cluster: Cluster, namespace: str) -> None:
+    """status.podIP through the downward API is set from the container's very first start,
+    as a kubelet gives it (the sandbox exists first), not once the pod's status has made
+    the round trip through the API server. An empty one made a sidecar bind 0.0.0.0 and
+    take its port from every later pod on the machine."""
+    api = core(cluster)
+    env = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+    ]
+    code = "import os; print('pod', os.environ['POD_IP'], 'host', os.environ['HOST_IP'])"
+    pod = pod_manifest(
+        "ips",
+        [python_container("main", code, env=env)],
+        initContainers=[python_container("first", code, env=env)],
+        automountServiceAccountToken=False,  # no volumes: it starts right after the IP is chosen
+    )
+    api.create_namespaced_pod(namespace, pod)
+    done = wait_pod_phase(api, namespace, "ips", {"Succeeded", "Failed"})
+    status = done["status"]
+    expected = f"pod {status['podIP']} host {status['hostIP']}"
+    assert status["podIP"].startswith("127.")
+    for container in ("first", "main"):
+        assert cluster.container_log(namespace, "ips", container).strip() == expected
