@@ -6,8 +6,8 @@
 #
 # Why from source: these machines have no Docker and cannot reach GitHub or dl.k8s.io, only
 # the Go module proxy. The wrapper modules in hack/gomod/ (see regen.sh there) pin
-# k8s.io/kubernetes, etcd, helm and Kubeflow's training-operator; every binary is built from
-# them with the local Go. The training-operator's directory also gets its PyTorchJob CRD and
+# k8s.io/kubernetes, etcd, helm, Kubeflow's training-operator and SeaweedFS (the tests' and
+# benchmarks' real S3 server); every binary is built from them with the local Go. The training-operator's directory also gets its PyTorchJob CRD and
 # ClusterRole (crds/, rbac/), copied from the same module version.
 #
 # Cache: ${CTJ_CACHE:-~/.cache/ctj}/<name>-<version>-<recipe>/bin, where <recipe> hashes the
@@ -94,16 +94,19 @@ helm_dir="$(recipe_dir helm "$HELM_VERSION" "$hack/gomod/helm" "$helm_ldflags")"
 kubeflow_ldflags="-s -w"
 kubeflow_dir="$(recipe_dir kubeflow "$KUBEFLOW_TRAINING_OPERATOR_VERSION" "$hack/gomod/kubeflow" \
   "$kubeflow_ldflags")"
+seaweedfs_ldflags="-s -w"
+seaweedfs_dir="$(recipe_dir seaweedfs "$SEAWEEDFS_VERSION" "$hack/gomod/seaweedfs" "$seaweedfs_ldflags")"
 
 print_paths() {
   echo "CTJ_ETCD_BIN_DIR=$etcd_dir/bin"
   echo "CTJ_K8S_BIN_DIR=$k8s_dir/bin"
   echo "CTJ_HELM_BIN_DIR=$helm_dir/bin"
   echo "CTJ_KUBEFLOW_BIN_DIR=$kubeflow_dir/bin"
+  echo "CTJ_SEAWEEDFS_BIN_DIR=$seaweedfs_dir/bin"
 }
 
 missing=()
-for d in "$etcd_dir" "$k8s_dir" "$helm_dir" "$kubeflow_dir"; do [ -f "$d/.complete" ] || missing+=("$d"); done
+for d in "$etcd_dir" "$k8s_dir" "$helm_dir" "$kubeflow_dir" "$seaweedfs_dir"; do [ -f "$d/.complete" ] || missing+=("$d"); done
 if [ "$mode" = "--check" ]; then
   print_paths
   if (( ${#missing[@]} )); then log "not built: ${missing[*]}"; exit 3; fi
@@ -126,6 +129,10 @@ fi
 if [ ! -f "$kubeflow_dir/.complete" ]; then
   build kubeflow "$kubeflow_dir" "$hack/gomod/kubeflow" "$kubeflow_ldflags" \
     "$kubeflow_pkg/cmd/training-operator.v1"
+fi
+if [ ! -f "$seaweedfs_dir/.complete" ]; then
+  build seaweedfs "$seaweedfs_dir" "$hack/gomod/seaweedfs" "$seaweedfs_ldflags" \
+    github.com/seaweedfs/seaweedfs/weed
 fi
 if (( ${#missing[@]} )); then
   log "cold build of ${missing[*]##*/} took $(( $(date +%s) - t0 ))s"

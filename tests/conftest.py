@@ -1,4 +1,5 @@
-"""Fixtures shared by every test tier: a real S3 server on loopback, fresh buckets."""
+"""Fixtures shared by every test tier: real S3 servers on loopback (moto; SeaweedFS), fresh
+buckets."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from ctj_devcluster.binaries import BinariesMissing
 from ctj_devcluster.local_s3 import LocalS3, wait_for_port
 from ctj_devcluster.ports import free_port, retry_on_bind_conflict
+from ctj_devcluster.seaweedfs import SeaweedFS, find_weed
 
 from trainer_sidecar.config import default_staging_root
 
@@ -57,6 +60,21 @@ def s3_endpoint() -> Iterator[str]:
     server = LocalS3.start()
     try:
         yield server.endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    """A real SeaweedFS (``weed mini``, built by hack/cluster-binaries.sh) on loopback, for
+    the whole session; skipped, saying why, where it is not built."""
+    try:
+        weed = find_weed()
+    except BinariesMissing as exc:
+        pytest.skip(str(exc))
+    server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"), weed).start()
+    try:
+        yield server
     finally:
         server.stop()
 
