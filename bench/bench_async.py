@@ -56,7 +56,8 @@ Usage:
     python bench/bench_async.py --device cuda --stall-only      # the stall from a GPU
 
 s3torchconnector is required here (every DCP row writes through it). Without
-``--endpoint-url`` a moto server is started on loopback for the run.
+``--endpoint-url`` a moto server (``--s3 seaweedfs``: SeaweedFS) is started on loopback
+for the run.
 """
 
 from __future__ import annotations
@@ -754,7 +755,13 @@ def place_server(server_pid: int | None, server_cores: int | None) -> dict[str, 
     if not server_pid or server_cores <= 0 or server_cores >= len(cores):
         return {"shared": cores}
     ranks, server = cores[:-server_cores], cores[-server_cores:]
-    os.sched_setaffinity(server_pid, server)
+    # every thread: affinity is per thread, and a Go server (SeaweedFS) has started its
+    # threads already (threads it starts later inherit it from theirs)
+    for tid in os.listdir(f"/proc/{server_pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), server)
+        except ProcessLookupError:
+            pass  # a thread that just ended
     os.sched_setaffinity(0, ranks)
     log(f"cores: ranks {ranks}, S3 server {server}")
     return {"ranks": ranks, "server": server}
@@ -784,7 +791,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     staging = tempfile.mkdtemp(
         prefix="ctj-bench-async-", dir=os.path.dirname(default_staging_root())
     )
-    with s3_server(opts.endpoint_url) as (endpoint, server, server_pid), cleanup(staging):
+    with s3_server(opts.endpoint_url, opts.s3) as (endpoint, server, server_pid), cleanup(staging):
         placement = place_server(server_pid, opts.server_cores)
         env = project_env(endpoint)
         bucket = create_bucket(endpoint)
@@ -877,11 +884,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "memory); goodput stays on the CPU",
     )
     parser.add_argument("--stall-only", action="store_true", help="skip the goodput phases")
-    parser.add_argument("--endpoint-url", help="use this S3 server instead of starting moto")
+    parser.add_argument("--endpoint-url", help="use this S3 server instead of starting one")
+    parser.add_argument(
+        "--s3",
+        choices=("moto", "seaweedfs"),
+        default="moto",
+        help="the S3 server to start on loopback (default moto; docs/s3-servers.md)",
+    )
     parser.add_argument(
         "--server-cores",
         type=int,
-        help="cores reserved for the moto server (default: half of them on 4+ cores, else 0)",
+        help="cores reserved for the S3 server (default: half of them on 4+ cores, else 0)",
     )
     opts = parser.parse_args(argv)
     if opts.quick:

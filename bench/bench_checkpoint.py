@@ -35,7 +35,8 @@ Usage:
 s3torchconnector is optional (not a project dependency): without it its rows are
 skipped with a message. ``--no-deps`` keeps it from replacing our torch; its wheel
 does not declare ``tenacity``, which it imports, hence the third package.
-Without ``--endpoint-url`` a moto server is started on loopback for the run.
+Without ``--endpoint-url`` a moto server (``--s3 seaweedfs``: SeaweedFS) is started on
+loopback for the run.
 """
 
 from __future__ import annotations
@@ -500,10 +501,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def s3_server(endpoint_url: str | None) -> Iterator[tuple[str, str, int | None]]:
-    """(endpoint, description, pid): the given server (no pid), or a moto server on loopback."""
+def s3_server(
+    endpoint_url: str | None, kind: str = "moto"
+) -> Iterator[tuple[str, str, int | None]]:
+    """(endpoint, description, pid): the given server (no pid), or a moto or SeaweedFS
+    server on loopback (SeaweedFS: built by hack/cluster-binaries.sh, docs/s3-servers.md)."""
     if endpoint_url:
         yield endpoint_url, f"given endpoint {endpoint_url}", None
+        return
+    if kind == "seaweedfs":
+        with _seaweedfs() as found:
+            yield found
         return
     import moto
 
@@ -529,6 +537,30 @@ def s3_server(endpoint_url: str | None) -> Iterator[tuple[str, str, int | None]]
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@contextmanager
+def _seaweedfs() -> Iterator[tuple[str, str, int | None]]:
+    import shutil
+    from pathlib import Path
+
+    hack = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hack")
+    if hack not in sys.path:
+        sys.path.insert(0, hack)
+    from ctj_devcluster.seaweedfs import SeaweedFS
+
+    root = Path(tempfile.mkdtemp(prefix="ctj-bench-seaweedfs-"))
+    server = SeaweedFS(
+        root,
+        access_key=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        secret_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+    ).start()
+    try:
+        assert server.process is not None
+        yield server.endpoint, "SeaweedFS (weed mini) on loopback", server.process.pid
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def s3tc_status() -> str | None:
@@ -703,7 +735,7 @@ def create_bucket(endpoint: str) -> str:
 
 def measure(opts: argparse.Namespace, shape: StateShape, s3tc: bool) -> dict[str, Any]:
     """Every phase, at every world size: phases, server and engine measured."""
-    with s3_server(opts.endpoint_url) as (endpoint, server, _):
+    with s3_server(opts.endpoint_url, opts.s3) as (endpoint, server, _):
         env = project_env(endpoint)
         bucket = create_bucket(endpoint)
         args = {
@@ -775,7 +807,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="1,3",
         help="world sizes to load the 2-rank checkpoints at, besides 2 (default 1,3)",
     )
-    parser.add_argument("--endpoint-url", help="use this S3 server instead of starting moto")
+    parser.add_argument("--endpoint-url", help="use this S3 server instead of starting one")
+    parser.add_argument(
+        "--s3",
+        choices=("moto", "seaweedfs"),
+        default="moto",
+        help="the S3 server to start on loopback (default moto; docs/s3-servers.md)",
+    )
     parser.add_argument(
         "--no-s3torchconnector", dest="no_s3tc", action="store_true", help="skip its rows"
     )
