@@ -121,26 +121,40 @@ def install_crd(cluster: Cluster, build: KubeflowBuild) -> None:
 
 
 def _serving_certificate() -> None:
-    """A certificate for the webhook server to load; made once per machine, under a lock
-    (every run's controller reads the same hard-coded directory)."""
+    """A certificate for the webhook server to load, shared by every run on the machine
+    (the directory is hard-coded upstream). Renewed daily (certs.py issues for 7 days):
+    the pair is written to a directory of its own and ``serving-certs`` is a symlink
+    swapped in one rename, so a controller starting meanwhile never reads a key of one
+    pair with the certificate of another."""
     from .certs import CertificateAuthority
 
-    CERT_DIR.mkdir(parents=True, exist_ok=True)
-    with open(CERT_DIR.parent / ".lock", "w") as lock:
+    base = CERT_DIR.parent
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (CERT_DIR / "tls.crt").exists() and (CERT_DIR / "tls.key").exists():
-            return
-        tmp = CERT_DIR.parent / f"serving-certs.{os.getpid()}"
-        ca = CertificateAuthority(tmp, common_name="training-operator-ca")
-        pair = ca.issue(
+        crt = CERT_DIR / "tls.crt"
+        if (CERT_DIR / "tls.key").exists() and crt.exists():
+            if time.time() - crt.stat().st_mtime < 86400:
+                return
+        old = CERT_DIR.resolve() if CERT_DIR.is_symlink() else None
+        if CERT_DIR.exists() and not CERT_DIR.is_symlink():
+            shutil.rmtree(CERT_DIR)  # a plain directory from an older layout
+        new = base / f"serving-certs.{os.getpid()}.{int(time.time())}"
+        ca = CertificateAuthority(new, common_name="training-operator-ca")
+        ca.issue(
             "tls",
             common_name=f"{SERVICE_ACCOUNT}.{NAMESPACE}.svc",
             server=True,
             dns_names=(f"{SERVICE_ACCOUNT}.{NAMESPACE}.svc",),
         )
-        for src in (pair.key, pair.cert):  # the key first: a cert is what the rotator awaits
-            os.replace(src, CERT_DIR / src.name)
-        shutil.rmtree(tmp)
+        for name in ("ca.crt", "ca.key"):
+            (new / name).unlink()
+        link = base / f".serving-certs.{os.getpid()}"
+        link.unlink(missing_ok=True)
+        link.symlink_to(new.name)
+        os.replace(link, CERT_DIR)
+        if old is not None and old != new:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 class KubeflowController:
