@@ -84,6 +84,7 @@ from bench_checkpoint import (  # noqa: E402
     MIB,
     REGION,
     StateShape,
+    add_s3_arguments,
     boto3_client,
     build_model,
     create_bucket,
@@ -884,13 +885,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "memory); goodput stays on the CPU",
     )
     parser.add_argument("--stall-only", action="store_true", help="skip the goodput phases")
-    parser.add_argument("--endpoint-url", help="use this S3 server instead of starting one")
-    parser.add_argument(
-        "--s3",
-        choices=("moto", "seaweedfs"),
-        default="moto",
-        help="the S3 server to start on loopback (default moto; docs/s3-servers.md)",
-    )
+    add_s3_arguments(parser)
     parser.add_argument(
         "--server-cores",
         type=int,

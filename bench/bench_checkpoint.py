@@ -500,6 +500,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def add_s3_arguments(parser: argparse.ArgumentParser) -> None:
+    """--endpoint-url and --s3, as s3_server takes them (both benchmarks)."""
+    parser.add_argument("--endpoint-url", help="use this S3 server instead of starting one")
+    parser.add_argument(
+        "--s3",
+        choices=("moto", "seaweedfs"),
+        default="moto",
+        help="the S3 server to start on loopback (default moto; docs/s3-servers.md)",
+    )
+
+
 @contextmanager
 def s3_server(
     endpoint_url: str | None, kind: str = "moto"
@@ -807,13 +818,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="1,3",
         help="world sizes to load the 2-rank checkpoints at, besides 2 (default 1,3)",
     )
-    parser.add_argument("--endpoint-url", help="use this S3 server instead of starting one")
-    parser.add_argument(
-        "--s3",
-        choices=("moto", "seaweedfs"),
-        default="moto",
-        help="the S3 server to start on loopback (default moto; docs/s3-servers.md)",
-    )
+    add_s3_arguments(parser)
     parser.add_argument(
         "--no-s3torchconnector", dest="no_s3tc", action="store_true", help="skip its rows"
     )

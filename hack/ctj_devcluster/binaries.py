@@ -49,7 +49,9 @@ class Binaries:
         )
 
 
-def _dirs_from_build_script() -> dict[str, str]:
+def built_dirs() -> dict[str, str]:
+    """KEY=PATH of every directory hack/cluster-binaries.sh builds (``--check``: nothing
+    is built; a path listed may not exist yet)."""
     if not BUILD_SCRIPT.exists():
         raise BinariesMissing(f"{BUILD_SCRIPT} not found")
     proc = subprocess.run(
@@ -71,7 +73,7 @@ def find_binaries() -> Binaries:
     """The binaries to run, from the environment overrides or the build cache."""
     dirs = {k: os.environ[k] for k in _DIR_VARS if os.environ.get(k)}
     if len(dirs) < len(_DIR_VARS):
-        dirs = {**_dirs_from_build_script(), **dirs}
+        dirs = {**built_dirs(), **dirs}
     etcd, k8s, helm = (Path(dirs[k]) for k in _DIR_VARS)  # Binaries checks they exist
     return Binaries(
         etcd=etcd / "etcd",

@@ -24,14 +24,13 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .binaries import BUILD_SCRIPT, BinariesMissing
+from .binaries import BUILD_SCRIPT, BinariesMissing, built_dirs
 from .ports import retry_on_bind_conflict
 from .processes import ManagedProcess, wait_until
 
@@ -79,13 +78,9 @@ class KubeflowBuild:
     @classmethod
     def find(cls) -> KubeflowBuild:
         """From ``CTJ_KUBEFLOW_BIN_DIR`` or the build script's ``--check``."""
-        bin_dir = os.environ.get("CTJ_KUBEFLOW_BIN_DIR")
-        if not bin_dir:
-            proc = subprocess.run(
-                [str(BUILD_SCRIPT), "--check"], capture_output=True, text=True, check=False
-            )
-            found = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
-            bin_dir = found.get("CTJ_KUBEFLOW_BIN_DIR", "")
+        bin_dir = os.environ.get("CTJ_KUBEFLOW_BIN_DIR") or built_dirs().get(
+            "CTJ_KUBEFLOW_BIN_DIR", ""
+        )
         root = Path(bin_dir).parent
         build = cls(
             binary=Path(bin_dir) / "training-operator.v1",

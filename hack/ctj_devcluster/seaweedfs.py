@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .binaries import BUILD_SCRIPT, BinariesMissing
+from .binaries import BUILD_SCRIPT, BinariesMissing, built_dirs
 from .local_s3 import TEST_CREDENTIALS
 from .ports import retry_on_bind_conflict
 from .processes import ManagedProcess, wait_until
@@ -32,13 +31,9 @@ _PORTS = (
 
 def find_weed() -> Path:
     """``CTJ_SEAWEEDFS_BIN_DIR``/weed, or where hack/cluster-binaries.sh built it."""
-    bin_dir = os.environ.get("CTJ_SEAWEEDFS_BIN_DIR")
-    if not bin_dir:
-        proc = subprocess.run(
-            [str(BUILD_SCRIPT), "--check"], capture_output=True, text=True, check=False
-        )
-        found = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
-        bin_dir = found.get("CTJ_SEAWEEDFS_BIN_DIR", "")
+    bin_dir = os.environ.get("CTJ_SEAWEEDFS_BIN_DIR") or built_dirs().get(
+        "CTJ_SEAWEEDFS_BIN_DIR", ""
+    )
     weed = Path(bin_dir) / "weed"
     if not bin_dir or not os.access(weed, os.X_OK):
         raise BinariesMissing(f"SeaweedFS is not built ({weed}); run {BUILD_SCRIPT}")

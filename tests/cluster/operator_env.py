@@ -301,6 +301,21 @@ def trainer_events(
     return events
 
 
+def wait_resumed(
+    cluster: Cluster, namespace: str, pod: str, container: str = "trainer", timeout: float = 90
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The trainer's first ``restored`` event and its steps, once three steps follow it."""
+
+    def seen() -> Any:
+        events = trainer_events(cluster, namespace, pod, container)
+        restored = [e for e in events if e["event"] == "restored"]
+        steps = [e for e in events if e["event"] == "step"]
+        return restored and len(steps) >= 3 and (restored[0], steps)
+
+    restored, steps = wait_for(seen, f"{pod} to restore and train", timeout)
+    return restored, steps
+
+
 def committed_steps(
     cluster: Cluster, namespace: str, pod: str, container: str = "trainer"
 ) -> list[int]:

@@ -29,6 +29,7 @@ from tests.cluster.operator_env import (
     running,
     trainer_events,
     wait_for,
+    wait_resumed,
 )
 from tests.unit.test_alert_rules import RULES
 from tests.unit.test_chart_files import DASHBOARD, dashboard_exprs
@@ -62,14 +63,7 @@ def _resumed(
     periodic: bool = True,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Waits for the new attempt's master to log `restored` and a few steps after it."""
-
-    def seen() -> Any:
-        events = trainer_events(cluster, namespace, pod)
-        restored = [e for e in events if e["event"] == "restored"]
-        steps = [e for e in events if e["event"] == "step"]
-        return restored and len(steps) >= 3 and (restored[0], steps)
-
-    restored, steps = wait_for(seen, f"{pod} to restore and train", timeout=90)
+    restored, steps = wait_resumed(cluster, namespace, pod)
     assert restored["world_size"] == world
     assert restored["step"] >= not_before_step
     if periodic:  # else a planned transition saved the step it stopped at

@@ -30,6 +30,7 @@ from tests.cluster.operator_env import (
     status,
     trainer_events,
     wait_for,
+    wait_resumed,
 )
 
 pytestmark = pytest.mark.cluster
@@ -146,13 +147,7 @@ def test_the_kubeflow_controller_runs_each_attempt_and_a_lost_node_restarts_it_r
     assert _env(pods2[f"{name}-a2-master-0"])["WORLD_SIZE"] == "2"
 
     # the new master restores resharded 3 -> 2 from attempt 1's last commit, and trains on
-    def resumed() -> Any:
-        events = trainer_events(op_cluster, ns, f"{name}-a2-master-0", TRAINER)
-        restored = [e for e in events if e["event"] == "restored"]
-        steps = [e for e in events if e["event"] == "step"]
-        return restored and len(steps) >= 3 and (restored[0], steps)
-
-    restored, steps = wait_for(resumed, "attempt 2 to restore and train", 90)
+    restored, steps = wait_resumed(op_cluster, ns, f"{name}-a2-master-0", TRAINER)
     assert restored["world_size"] == 2 and restored["step"] >= committed[-1]
     assert restored["step"] in staged_in_1
     assert steps[0]["step"] == restored["step"] + 1, "training continues from the checkpoint"
