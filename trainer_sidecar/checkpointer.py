@@ -44,6 +44,7 @@ from .config import CheckpointConfig, job_staging_dir
 from .errors import CheckpointError, SaveFailed
 from .format.manifest import Manifest, SaveIdentity
 from .load.restore import LoadResult, RestoreSettings, restore
+from .load.tiers import ChunkTiers
 from .metrics import CheckpointMetrics, serve
 from .save import slots, staging
 from .save.persist import Persister
@@ -51,6 +52,8 @@ from .save.protocol import SaveProtocol
 from .state_dict import build_state
 from .store import commit as commits
 from .store.base import ObjectStore
+from .store.chunk_cache import ChunkCache
+from .store.peers import PeerCaches
 from .store.s3 import S3Settings, open_store
 
 log = logging.getLogger("ctj.checkpoint")
@@ -187,6 +190,9 @@ class Checkpointer:
             metrics=self.metrics,
         )
         self._last: PendingSave | None = None
+        self.cache = (
+            ChunkCache(config.cache_dir, config.cache_max_bytes) if config.cache_dir else None
+        )
         self._server = (
             serve(config.metrics_port, self.metrics) if config.metrics_port is not None else None
         )
@@ -211,6 +217,7 @@ class Checkpointer:
             metrics=self.metrics,
             rank=self.rank,
             versions={"ctj": __version__, "torch": torch.__version__},
+            cache=self.cache,
         )
         self._thread = threading.Thread(
             target=self._persister.run,
@@ -362,4 +369,14 @@ class Checkpointer:
             ),
             metrics=self.metrics,
             group=self.group,
+            tiers=self._tiers(),
         )
+
+    def _tiers(self) -> ChunkTiers | None:
+        """The node's cache and the peers', when configured (docs/format.md, "Node cache")."""
+        peers = None
+        if self.config.cache_peers and self.config.cache_token:
+            peers = PeerCaches(self.config.cache_peers, token=self.config.cache_token)
+        if self.cache is None and peers is None:
+            return None
+        return ChunkTiers(cache=self.cache, peers=peers)

@@ -11,6 +11,7 @@ import enum
 import hashlib
 import os
 import re
+import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +61,14 @@ def _flag(value: str) -> bool:
     if value.lower() in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(value)
+
+
+def _peer_list(value: str) -> tuple[str, ...]:
+    """CTJ_CACHE_PEERS: comma-separated host:port, this pod's own entry left out (its
+    cache is the local tier already)."""
+    own = socket.gethostname()
+    peers = tuple(p.strip() for p in value.split(",") if p.strip())
+    return tuple(p for p in peers if p.split(":")[0].split(".")[0] != own)
 
 
 def job_staging_dir(config: CheckpointConfig) -> Path:
@@ -113,6 +122,17 @@ class CheckpointConfig:
     """Load non-tensor values with full pickle instead of torch's weights_only rules
     (plain containers, numbers, strings, tensors). Only for checkpoints you wrote and
     nobody else can write to: a pickle can run code."""
+    cache_dir: str | None = None
+    """The node-local chunk cache (a hostPath in a pod): every chunk saved is kept here, and
+    a restore reads it first. None: no cache."""
+    cache_max_bytes: int = 16 << 30
+    """Bound of the node-local cache; the least recently used chunks go beyond it."""
+    cache_peers: tuple[str, ...] = ()
+    """host:port of the job's other pods' cache servers, read before S3 on a restore."""
+    cache_port: int | None = None
+    """The sidecar serves this node's cache to the peers on this port (None: doesn't)."""
+    cache_token: str | None = dataclasses.field(default=None, repr=False)
+    """The job's secret for the peer caches (CTJ_CACHE_TOKEN); never logged."""
 
     @property
     def persistence(self) -> Persistence:
@@ -146,6 +166,17 @@ class CheckpointConfig:
             raise bad("attempt", f"is {self.attempt!r}: use 1-64 of A-Z a-z 0-9 . _ -")
         if self.shutdown_grace_s < 0 or self.slot_wait_timeout_s <= 0:
             raise bad("shutdown_grace_s/slot_wait_timeout_s", "must be positive")
+        if self.cache_dir is not None and self.cache_max_bytes < self.chunk_size:
+            raise bad("cache_max_bytes", f"is {self.cache_max_bytes}: use at least chunk_size")
+        object.__setattr__(self, "cache_peers", tuple(p for p in self.cache_peers if p))
+        if (self.cache_peers or self.cache_port is not None) and (
+            self.cache_token is None or len(self.cache_token) < 16
+        ):
+            raise bad(
+                "cache_token",
+                "(CTJ_CACHE_TOKEN) must be a secret of 16+ characters to serve or read "
+                "peer caches: the operator sets it from the job's Secret",
+            )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> CheckpointConfig:
@@ -169,6 +200,11 @@ class CheckpointConfig:
             "metrics_port": ("CTJ_METRICS_PORT", int),
             "attempt": ("CTJ_ATTEMPT", str),
             "trust_pickled_values": ("CTJ_TRUST_PICKLED_VALUES", _flag),
+            "cache_dir": ("CTJ_CACHE_DIR", str),
+            "cache_max_bytes": ("CTJ_CACHE_MAX_BYTES", int),
+            "cache_peers": ("CTJ_CACHE_PEERS", _peer_list),
+            "cache_port": ("CTJ_CACHE_PORT", int),
+            "cache_token": ("CTJ_CACHE_TOKEN", str),
         }
         values: dict[str, Any] = {}
         for field, (var, typ) in names.items():

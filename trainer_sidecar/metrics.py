@@ -40,6 +40,7 @@ _BUCKETS = (
     1200,
 )
 FAILURE_STAGES = ("stage", "upload", "commit", "restore")
+RESTORE_TIERS = ("local", "peer", "s3")  # load/tiers.py
 BYTE_KINDS = ("logical", "uploaded", "deduplicated")
 
 
@@ -107,6 +108,15 @@ class CheckpointMetrics:
             "Step of the last committed checkpoint.",
             registry=r,
         )
+        self.restore_bytes = Counter(
+            "ctj_checkpoint_restore_bytes",
+            "Bytes a restore read, by tier: local (the node's cache), peer (another pod's "
+            "cache), s3 (the object store).",
+            ["tier"],
+            registry=r,
+        )
+        for tier in RESTORE_TIERS:
+            self.restore_bytes.labels(tier=tier)
         for stage in FAILURE_STAGES:  # export zeros, so rates work from the start
             self.failures.labels(stage=stage)
         for kind in BYTE_KINDS:
@@ -121,6 +131,11 @@ class CheckpointMetrics:
     def observe_restore(self, seconds: float) -> None:
         self.restore.observe(seconds)
         self._relay("restore", seconds)
+
+    def count_restore_bytes(self, by_tier: dict[str, int]) -> None:
+        for tier, n in by_tier.items():
+            self.restore_bytes.labels(tier=tier).inc(n)
+            self._relay("restore_bytes", float(n), tier)
 
     def count_failure(self, stage: str) -> None:
         self.failures.labels(stage=stage).inc()
@@ -144,6 +159,8 @@ class CheckpointMetrics:
             self.failures.labels(stage=stage).inc(value)
         elif name == "skipped":
             self.skipped.inc(value)
+        elif name == "restore_bytes" and stage in RESTORE_TIERS:
+            self.restore_bytes.labels(tier=stage).inc(value)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

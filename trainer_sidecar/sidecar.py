@@ -34,6 +34,8 @@ from .errors import CheckpointError
 from .metrics import CheckpointMetrics, HeartbeatMetrics, StagingCollector, serve
 from .save import slots
 from .save.persist import Persister
+from .store.chunk_cache import ChunkCache
+from .store.peers import serve_cache
 from .store.s3 import S3Settings, open_store
 
 log = logging.getLogger("ctj.sidecar")
@@ -106,7 +108,10 @@ def run(
     slots.prepare_root(root)
     metrics = CheckpointMetrics()
     metrics.registry.register(StagingCollector(root))
-    persister = Persister(store, config, root=root, metrics=metrics, versions={"ctj": __version__})
+    cache = ChunkCache(config.cache_dir, config.cache_max_bytes) if config.cache_dir else None
+    persister = Persister(
+        store, config, root=root, metrics=metrics, versions={"ctj": __version__}, cache=cache
+    )
     stop = threading.Event()
 
     def on_signal(signum: int) -> None:
@@ -129,6 +134,13 @@ def run(
                 host=metrics_host,
             )
             log.info("serving /metrics, /healthz, /readyz on port %d", server.server_address[1])
+        peer_server = None
+        if cache is not None and config.cache_port is not None and config.cache_token:
+            peer_server = serve_cache(
+                cache, token=config.cache_token, host=metrics_host, port=config.cache_port
+            )
+            log.info("serving the node's chunk cache to the job's peers on port %d",
+                     peer_server.server_address[1])  # fmt: skip
         log.info("persisting %s staged under %s to %s", config.mode, root, config.uri)
         beat = None
         if heartbeat is not None:
@@ -157,6 +169,9 @@ def run(
         left = [s.step for _, s in slots.pending(root)]
         if server is not None:
             server.shutdown()
+        if peer_server is not None:
+            peer_server.shutdown()
+            peer_server.server_close()
         if left:
             log.warning(
                 "exiting with steps %s staged but not committed (after %.1fs)",

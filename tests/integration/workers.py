@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -30,9 +31,21 @@ class Net(torch.nn.Module):
         return self.fc2(torch.relu(self.norm(self.fc1(x))))
 
 
-def build(kind: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+class WideNet(Net):
+    """Net with a 768 KiB first layer: its shards span many 64 KiB blocks (tier tests)."""
+
+    def __init__(self) -> None:
+        torch.nn.Module.__init__(self)
+        self.fc1 = torch.nn.Linear(16, 12288)
+        self.norm = torch.nn.LayerNorm(12288)
+        self.fc2 = torch.nn.Linear(12288, 3)
+
+
+def build(
+    kind: str, seed: int, net: type[Net] = Net
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model: torch.nn.Module = Net()
+    model: torch.nn.Module = net()
     if kind == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -273,3 +286,38 @@ def save_while_rank1_store_fails(args: dict[str, Any]) -> None:
     else:
         raise AssertionError("the save committed although rank 1's upload failed")
     ckpt.close(timeout=5)
+
+
+def _node_config(args: dict[str, Any]) -> CheckpointConfig:
+    """This rank's node: its cache directory, and the peers' cache servers (if any)."""
+    rank = dist.get_rank()
+    node = {"cache_dir": args["caches"][rank], "cache_max_bytes": args.get("max_bytes", 1 << 30)}
+    if args.get("peers"):
+        node.update(cache_peers=tuple(args["peers"][rank]), cache_token=args["token"])
+    return CheckpointConfig(uri=args["uri"], **node, **args.get("config", {}))
+
+
+def save_on_nodes(args: dict[str, Any]) -> None:
+    """``save``, each rank on its own node: its chunks stay in that node's cache."""
+    model, opt = build(args["kind"], seed=0, net=WideNet)
+    train(model, opt, 2)
+    with Checkpointer(_node_config(args)) as ckpt:
+        ckpt.save(args["step"], model=model, optimizer=opt, extra={"step": args["step"], "pos": 7})
+        ref = full_state(model, opt)
+    if dist.get_rank() == 0:
+        torch.save(ref, args["ref"])
+
+
+def load_on_nodes(args: dict[str, Any]) -> None:
+    """``load_and_compare`` through the tiers; each rank writes its bytes by tier."""
+    model, opt = build(args["kind"], seed=123, net=WideNet)
+    extra: dict[str, Any] = {"step": -1, "pos": -1}
+    result = Checkpointer(_node_config(args)).load(model=model, optimizer=opt, extra=extra)
+    assert result is not None and result.step == args["step"], result
+    assert extra == {"step": args["step"], "pos": 7}, extra
+    got = full_state(model, opt)
+    if dist.get_rank() == 0:
+        assert_bitwise_equal(got, torch.load(args["ref"], weights_only=True))
+        print(f"bitwise equal at world size {dist.get_world_size()}")
+    with open(f"{args['out']}.{dist.get_rank()}.json", "w") as f:
+        json.dump(result.bytes_by_tier, f)

@@ -85,6 +85,7 @@ class SaveIdentity:
     def from_json(cls, raw: dict[str, Any]) -> SaveIdentity:
         return cls(str(raw["attempt"]), str(raw["nonce"]))
 
+
 MANIFESTS = "manifests/"
 RETIRED = "retired/"
 PARTS = "parts/"

@@ -3,7 +3,8 @@
 A read of [start, end) of a file becomes, per overlapping chunk, one GET of the
 block-aligned range that covers it (the whole object when compressed), checked
 block by block against the manifest's BLAKE3 digests. Nothing unverified is
-ever returned.
+ever returned. With tiers (tiers.py), the node's cache and the peers' are read
+first, checked by the same digests.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures as cf
 import dataclasses
+import threading
 from collections.abc import Sequence
 
 import blake3
@@ -20,12 +22,14 @@ from ..errors import CorruptCheckpointError, ObjectNotFound
 from ..format.chunking import blocks_for_range
 from ..format.manifest import ChunkRef, FileEntry, Manifest
 from ..store.base import ObjectStore
+from .tiers import STORE, ChunkTiers
 
 
 @dataclasses.dataclass
 class ReadStats:
     requests: int = 0
     bytes_fetched: int = 0
+    by_tier: dict[str, int] = dataclasses.field(default_factory=dict)  # bytes per tier
 
 
 class FileIndex:
@@ -56,27 +60,52 @@ class FileIndex:
 
 
 class ChunkReader:
-    def __init__(self, store: ObjectStore, manifest: Manifest, *, parallelism: int = 8) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        manifest: Manifest,
+        *,
+        parallelism: int = 8,
+        tiers: ChunkTiers | None = None,
+    ) -> None:
         self.store = store
         self.manifest = manifest
         self.parallelism = parallelism
+        self.tiers = tiers
         self.indexes = {name: FileIndex(f) for name, f in manifest.files.items()}
         self.stats = ReadStats()
+        self._stats_lock = threading.Lock()
 
     def fetch_verified(self, chunk: ChunkRef, start: int, end: int) -> bytes:
-        """Bytes [start, end) of one chunk, fetched by block-aligned ranged GET and verified."""
+        """Bytes [start, end) of one chunk, verified: from the nearest tier that holds
+        them (node cache, peers), else by block-aligned ranged GET from the store."""
+        bs = self.manifest.block_size
+        if self.tiers is not None:
+            a, b = blocks_for_range(start, end, chunk.size, bs) if chunk.size else (0, 0)
+            for tier, data in self.tiers.candidates(chunk, a, b):
+                if self._verified(chunk, data, a):
+                    self._count(len(data), tier)
+                    return data[start - a : end - a]
+                self.tiers.reject(tier, chunk)
+        data, a = self._from_store(chunk, start, end)
+        if self.tiers is not None and a == 0 and len(data) == chunk.size:
+            self.tiers.keep(chunk, data)
+        return data[start - a : end - a]
+
+    def _from_store(self, chunk: ChunkRef, start: int, end: int) -> tuple[bytes, int]:
+        """(verified raw bytes [a, b) covering [start, end), a) read from the store."""
         bs = self.manifest.block_size
         try:
             if chunk.codec == "zstd":
                 a, b = 0, chunk.size
                 raw = self.store.get(chunk.key)
-                self._count(len(raw))
+                self._count(len(raw), STORE)
                 data = zstandard.ZstdDecompressor().decompress(raw, max_output_size=chunk.size)
             else:
                 a, b = blocks_for_range(start, end, chunk.size, bs) if chunk.size else (0, 0)
                 whole = a == 0 and b == chunk.size
                 data = self.store.get(chunk.key, byte_range=None if whole else (a, b))
-                self._count(len(data))
+                self._count(len(data), STORE)
         except ObjectNotFound:
             raise CorruptCheckpointError(self.manifest.step, chunk.id, "is missing") from None
         except zstandard.ZstdError:
@@ -85,16 +114,25 @@ class ChunkReader:
             ) from None
         if len(data) != b - a:
             raise CorruptCheckpointError(self.manifest.step, chunk.id, "is truncated")
+        if not self._verified(chunk, data, a):
+            raise CorruptCheckpointError(self.manifest.step, chunk.id, "fails its hash check")
+        return data, a
+
+    def _verified(self, chunk: ChunkRef, data: bytes, a: int) -> bool:
+        """Every block of ``data`` (chunk bytes from offset ``a``, block-aligned) matches."""
+        bs = self.manifest.block_size
         view = memoryview(data)
         first = a // bs
-        for k in range(0, max(len(data), 1), bs):
-            if blake3.blake3(view[k : k + bs]).hexdigest() != chunk.blocks[first + k // bs]:
-                raise CorruptCheckpointError(self.manifest.step, chunk.id, "fails its hash check")
-        return data[start - a : end - a]
+        return all(
+            blake3.blake3(view[k : k + bs]).hexdigest() == chunk.blocks[first + k // bs]
+            for k in range(0, max(len(data), 1), bs)
+        )
 
-    def _count(self, n: int) -> None:
-        self.stats.requests += 1
-        self.stats.bytes_fetched += n
+    def _count(self, n: int, tier: str) -> None:
+        with self._stats_lock:
+            self.stats.requests += 1
+            self.stats.bytes_fetched += n
+            self.stats.by_tier[tier] = self.stats.by_tier.get(tier, 0) + n
 
     def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
         """Many (file, start, end) ranges at once.
@@ -119,6 +157,8 @@ class ChunkReader:
                 )
                 wanted.setdefault(chunk.id, []).append(span)
         fetches = [(cid, a, b) for cid, spans in wanted.items() for a, b in _merge(spans)]
+        if self.tiers is not None:
+            self.tiers.prepare(chunks.values())
         with cf.ThreadPoolExecutor(self.parallelism, thread_name_prefix="ctj-read") as pool:
             datas = list(pool.map(lambda f: self.fetch_verified(chunks[f[0]], f[1], f[2]), fetches))
         got: dict[str, list[tuple[int, int, bytes]]] = {}

@@ -42,6 +42,7 @@ from .checks import read_manifest
 from .chunk_reader import ChunkReader
 from .dcp_reader import ChunkedStorageReader, read_checked_metadata
 from .planner import SafeLoadPlanner, StateMismatch
+from .tiers import ChunkTiers
 
 log = logging.getLogger("ctj.checkpoint")
 
@@ -53,6 +54,8 @@ class LoadResult:
     skipped: tuple[int, ...]  # newer checkpoints that were unusable
     bytes_fetched: int
     seconds: float
+    bytes_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
+    """This rank's bytes by tier (local, peer, s3); rank 0's include the ``.metadata``."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +73,7 @@ class Opened:
     manifest: Manifest
     metadata: Metadata
     metadata_bytes: int  # what rank 0 fetched to read it
+    metadata_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,7 +84,9 @@ class Unusable:
     reason: str
 
 
-def open_checkpoint(store: ObjectStore, step: int, *, parallelism: int = 8) -> Opened | Unusable:
+def open_checkpoint(
+    store: ObjectStore, step: int, *, parallelism: int = 8, tiers: ChunkTiers | None = None
+) -> Opened | Unusable:
     """Read and check one candidate's manifest and metadata (rank 0's part of a restore).
 
     Store errors (unreachable, credentials) are raised: they say nothing about the
@@ -88,13 +94,13 @@ def open_checkpoint(store: ObjectStore, step: int, *, parallelism: int = 8) -> O
     """
     try:
         manifest = read_manifest(store, step)
-        reader = ChunkReader(store, manifest, parallelism=parallelism)
+        reader = ChunkReader(store, manifest, parallelism=parallelism, tiers=tiers)
         metadata = read_checked_metadata(reader)
     except NoCheckpointError:
         return Unusable(step, f"checkpoint step {step} is gone (removed while loading)")
     except CorruptCheckpointError as exc:  # UnsafeCheckpointError among them
         return Unusable(step, str(exc))
-    return Opened(manifest, metadata, reader.stats.bytes_fetched)
+    return Opened(manifest, metadata, reader.stats.bytes_fetched, dict(reader.stats.by_tier))
 
 
 def _wrapped(exc: BaseException) -> Iterator[BaseException]:
@@ -145,8 +151,10 @@ def restore(
     settings: RestoreSettings,
     metrics: CheckpointMetrics,
     group: Any = None,
+    tiers: ChunkTiers | None = None,
 ) -> LoadResult | None:
-    """Collective: every rank calls it; returns None when nothing is committed."""
+    """Collective: every rank calls it; returns None when nothing is committed.
+    ``tiers``: the node's and the peers' chunk caches, read before the store."""
     started = time.monotonic()
 
     def candidates() -> list[int]:
@@ -166,14 +174,16 @@ def restore(
 
     for candidate in steps:
         opened = collectives.decided_by_rank0(
-            functools.partial(open_checkpoint, store, candidate, parallelism=settings.parallelism),
+            functools.partial(
+                open_checkpoint, store, candidate, parallelism=settings.parallelism, tiers=tiers
+            ),
             group,
         )
         if isinstance(opened, Unusable):
             skip(candidate, opened.reason)
             continue
         state = build_state(model, optimizer, extra)  # afresh: a failed try may have filled some
-        reader = ChunkReader(store, opened.manifest, parallelism=settings.parallelism)
+        reader = ChunkReader(store, opened.manifest, parallelism=settings.parallelism, tiers=tiers)
         planner = SafeLoadPlanner(
             step=candidate, trust_pickled_values=settings.trust_pickled_values
         )
@@ -212,15 +222,19 @@ def restore(
             extra.update(state["extra"])
         seconds = time.monotonic() - started
         metrics.observe_restore(seconds)
-        fetched = reader.stats.bytes_fetched
+        fetched, by_tier = reader.stats.bytes_fetched, dict(reader.stats.by_tier)
         if collectives.rank(group) == 0:
             fetched += opened.metadata_bytes
+            for tier, n in opened.metadata_by_tier.items():
+                by_tier[tier] = by_tier.get(tier, 0) + n
+        metrics.count_restore_bytes(by_tier)
         return LoadResult(
             step=candidate,
             extra=state["extra"],
             skipped=tuple(s for s, _ in skipped),
             bytes_fetched=fetched,
             seconds=seconds,
+            bytes_by_tier=by_tier,
         )
     reasons = "; ".join(reason for _, reason in skipped[:3])
     more = f" (and {len(skipped) - 3} more)" if len(skipped) > 3 else ""

@@ -39,6 +39,7 @@ from ..metrics import CheckpointMetrics
 from ..store import commit as commits
 from ..store import repository
 from ..store.base import ObjectStore
+from ..store.chunk_cache import ChunkCache
 from . import slots
 from .uploader import StagedFile, UploadSettings, upload_rank
 
@@ -57,8 +58,10 @@ class Persister:
         metrics: CheckpointMetrics,
         rank: int | None = None,
         versions: dict[str, str] | None = None,
+        cache: ChunkCache | None = None,
     ) -> None:
         self.store = store
+        self.cache = cache  # the node-local chunk cache the uploads fill (None: off)
         self.rank = rank  # None: every rank staged under root (a sidecar serving a pod)
         self.config = config
         self.root = root
@@ -159,6 +162,7 @@ class Persister:
             reference=self._reference_chunks(staged.plan.reference_step),
             settings=self.settings,
             should_stop=self._past_deadline,
+            cache=self.cache,
         )
         self.metrics.upload.observe(time.monotonic() - started)
         self.metrics.bytes.labels(kind="uploaded").inc(part.uploaded_bytes)
@@ -310,8 +314,10 @@ class Persister:
         who = "commit" if stage == "commit" else f"rank-{staged.rank}"
         commits.report_failure(self.store, staged.step, staged.save, who, str(exc))
         log.error("step %d (rank %d) not persisted: %s", staged.step, staged.rank, exc)
-        failure = exc if isinstance(exc, SaveFailed) else SaveFailed(
-            f"save of step {staged.step} failed at {stage}: {exc}"
+        failure = (
+            exc
+            if isinstance(exc, SaveFailed)
+            else SaveFailed(f"save of step {staged.step} failed at {stage}: {exc}")
         )
         self._finish(slot, staged, failure)
 

@@ -30,6 +30,7 @@ from ..errors import UploadAborted
 from ..format import chunking
 from ..format.manifest import ChunkRef, Codec, FileEntry, RankPart, SaveIdentity
 from ..store.base import ObjectStore
+from ..store.chunk_cache import ChunkCache
 from ..store.commit import store_part
 
 log = logging.getLogger(__name__)
@@ -103,10 +104,12 @@ def upload_rank(
     settings: UploadSettings,
     progress: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    cache: ChunkCache | None = None,
 ) -> RankPart:
     """Upload the files, store this save's part for the rank, return that part.
 
     ``reference`` maps chunk ids to how the reference checkpoint stored them.
+    ``cache``: the node-local chunk cache, given every chunk of the save (raw).
     """
     started = time.monotonic()
     dedup = _Dedup(reference)
@@ -131,6 +134,8 @@ def upload_rank(
                 known.set_result(ref)
                 with counter_lock:
                     uploaded += len(view)
+            if cache is not None:  # the node keeps what it saved, for a restart here
+                cache.keep(cid, view)
         if not mine:
             # the reference's object as stored, or this upload's own (a chunk seen twice)
             ref = known.result() if isinstance(known, cf.Future) else known

@@ -68,6 +68,7 @@ T = TypeVar("T")
 PROBE_PREFIX = ".ctj-probe/"
 ALLOW_UNCONDITIONAL_ENV = "CTJ_S3_ALLOW_UNCONDITIONAL_WRITES"
 
+
 def _flag(name: str, value: str) -> bool:
     if value.lower() in ("1", "true", "yes", "on"):
         return True
