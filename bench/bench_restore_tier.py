@@ -1,0 +1,298 @@
+#!/usr/bin/env python3
+"""A restore after a node loss, with and without the node-local tier (issue 13).
+
+Three ranks save one checkpoint, each on its own "node": a cache directory of
+its own, which the save fills (store/chunk_cache.py). Node 2 is then lost (its
+cache is gone) and the next attempt restores, in two ways side by side:
+
+* S3 only: no caches (today's restore);
+* tiered: each rank reads its node's cache, then the surviving nodes' caches
+  through real peer servers (store/peers.py, HTTP with the job's token), then S3.
+
+at the same world size (3: rank 2 rescheduled onto a new, empty node) and at
+another (3 -> 2: the survivors reshard). Variants are interleaved and repeated,
+every cache is put back as it was before each restore (a restore fills the
+cache it reads through), and the median and spread are reported. Every load
+is checked against per-tensor checksums taken at save time.
+
+    python bench/bench_restore_tier.py --s3 seaweedfs --json /tmp/tier.json   # 768 MiB
+    python bench/bench_restore_tier.py --quick                                # smoke run
+
+Ratios: tiered time / S3-only time (goal <= 0.3), and the bytes the tiered
+restore read from S3 / the lost node's share (goal <= 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_checkpoint as bc  # noqa: E402 - the sibling script, importable from bench/
+
+SAVE_WORLD = 3
+LOST = 2  # the node that is lost
+MIB = 1 << 20
+
+
+# --------------------------------------------------------------------------- ranks
+
+
+def _config(args: dict[str, Any], *, tiered: bool) -> Any:
+    import torch.distributed as dist
+
+    from trainer_sidecar import CheckpointConfig
+
+    rank = dist.get_rank()
+    node: dict[str, Any] = {}
+    if tiered:
+        node = {"cache_dir": args["caches"][rank], "cache_max_bytes": 64 << 30}
+        if args["peers"][rank]:
+            node.update(cache_peers=tuple(args["peers"][rank]), cache_token=args["token"])
+    return CheckpointConfig(uri=args["uri"], keep_last=0, **node)
+
+
+def run_save(args: dict[str, Any]) -> dict[str, Any]:
+    from trainer_sidecar import Checkpointer
+
+    model = bc.build_model(bc.StateShape(**args["shape"]))
+    bc.fill(model, seed=1)
+    want = bc.checksums(model)
+    with Checkpointer(_config(args, tiered=True)) as ckpt:
+        seconds, _ = bc.timed(lambda: ckpt.save(1, model=model).result())
+    return {"checksums": want, "save_seconds": seconds}
+
+
+def run_load(args: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from trainer_sidecar import Checkpointer
+
+    model = bc.build_model(bc.StateShape(**args["shape"]))
+    bc.fill(model, None)
+    ckpt = Checkpointer(_config(args, tiered=args["tiered"]))
+    seconds, result = bc.timed(lambda: ckpt.load(model=model))
+    bc.check_loaded(model, args["checksums"], args["variant"])
+    tiers = {t: bc.sum_over_ranks(result.bytes_by_tier.get(t, 0)) for t in ("local", "peer", "s3")}
+    return {"seconds": seconds, "bytes": tiers, "world": dist.get_world_size()}
+
+
+def worker_main(phase: str, args_path: str) -> None:
+    import torch.distributed as dist
+
+    args = json.loads(Path(args_path).read_text())
+    dist.init_process_group("gloo")
+    try:
+        result = {"save": run_save, "load": run_load}[phase](args)
+        if dist.get_rank() == 0:
+            Path(args["out"]).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+@dataclasses.dataclass
+class Nodes:
+    """Node cache directories, their pristine copies, and peer servers over the survivors."""
+
+    root: Path
+    token: str = dataclasses.field(default_factory=lambda: secrets.token_hex(16))
+    servers: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+    def dir(self, node: int) -> Path:
+        return self.root / f"node-{node}"
+
+    def snapshot(self) -> None:
+        for n in range(SAVE_WORLD + 1):
+            self.dir(n).mkdir(parents=True, exist_ok=True)
+            shutil.copytree(self.dir(n), self.root / f"pristine-{n}", dirs_exist_ok=True)
+
+    def reset(self) -> None:
+        """Every node's cache as it was right after the save, node LOST's gone, a new node
+        (SAVE_WORLD) empty: a restore reads through and would otherwise warm the next."""
+        for n in range(SAVE_WORLD + 1):
+            shutil.rmtree(self.dir(n), ignore_errors=True)
+            if n == LOST or n == SAVE_WORLD:
+                self.dir(n).mkdir(parents=True)
+            else:
+                shutil.copytree(self.root / f"pristine-{n}", self.dir(n))
+
+    def serve(self, nodes: list[int]) -> None:
+        from trainer_sidecar.store.chunk_cache import ChunkCache
+        from trainer_sidecar.store.peers import serve_cache
+
+        for n in nodes:
+            cache = ChunkCache(self.dir(n), 64 << 30)
+            self.servers[n] = serve_cache(cache, token=self.token, host="127.0.0.1")
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.shutdown()
+            server.server_close()
+
+    def address(self, n: int) -> str:
+        return f"127.0.0.1:{self.servers[n].server_address[1]}"
+
+    def placement(self, nodes: list[int]) -> dict[str, Any]:
+        """Rank r on nodes[r]: its cache, and the peers among the other nodes that are up."""
+        return {
+            "caches": [str(self.dir(n)) for n in nodes],
+            "peers": [
+                [self.address(p) for p in nodes if p != n and p in self.servers] for n in nodes
+            ],  # fmt: skip
+            "token": self.token,
+        }
+
+
+VARIANTS = {  # name: (tiered, the nodes the restoring ranks run on)
+    "s3_only_w3": (False, [0, 1, SAVE_WORLD]),
+    "tiered_w3": (True, [0, 1, SAVE_WORLD]),
+    "s3_only_w2": (False, [0, 1]),
+    "tiered_w2": (True, [0, 1]),
+}
+
+
+def lost_share(endpoint: str, uri: str) -> int:
+    """Bytes of the files the lost node's rank saved (from the manifest)."""
+    from trainer_sidecar.format.manifest import Manifest, manifest_key
+    from trainer_sidecar.store.base import Location
+    from trainer_sidecar.store.s3 import S3Settings, S3Store
+
+    settings = S3Settings(endpoint_url=endpoint)
+    store = S3Store(Location.parse(uri), settings, credentials=bc.CREDENTIALS)
+    manifest = Manifest.from_bytes(store.get(manifest_key(1)))
+    return sum(f.size for name, f in manifest.files.items() if name.startswith(f"__{LOST}_"))
+
+
+def run(opts: argparse.Namespace) -> dict[str, Any]:
+    shape = bc.StateShape.for_total(opts.total_mib * MIB, opts.tensors)
+    root = Path(tempfile.mkdtemp(prefix="ctj-bench-tier-"))
+    nodes = Nodes(root)
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    try:
+        with bc.s3_server(opts.endpoint_url, opts.s3) as (endpoint, server, _):
+            env = bc.project_env(endpoint)
+            uri = f"s3://{bc.create_bucket(endpoint)}/tier"
+            base = {"shape": dataclasses.asdict(shape), "uri": uri}
+            bc.log(f"state: {shape.total_bytes / MIB:.0f} MiB over {SAVE_WORLD} ranks; {server}")
+            nodes.serve([])  # no servers yet: the save needs none
+            saved = bc.run_world(
+                SAVE_WORLD, "save", base | nodes.placement([0, 1, 2]), env, script=__file__
+            )
+            share = lost_share(endpoint, uri)
+            nodes.snapshot()
+            nodes.serve([n for n in range(SAVE_WORLD) if n != LOST])
+            for i in range(opts.repeats):
+                for variant, (tiered, placed) in VARIANTS.items():
+                    nodes.reset()
+                    bc.log(f"repeat {i + 1}/{opts.repeats}: {variant}")
+                    args = base | nodes.placement(placed) | {
+                        "tiered": tiered, "variant": variant, "checksums": saved["checksums"]
+                    }  # fmt: skip
+                    runs[variant].append(
+                        bc.run_world(len(placed), "load", args, env, script=__file__)
+                    )
+    finally:
+        nodes.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    summary = {v: _summary(r) for v, r in runs.items()}
+    ratios = {}
+    for w in ("w3", "w2"):
+        ratios[f"tiered_time_ratio_vs_s3_only_{w}"] = (
+            summary[f"tiered_{w}"]["seconds_median"] / summary[f"s3_only_{w}"]["seconds_median"]
+        )
+        ratios[f"tiered_s3_bytes_ratio_vs_lost_share_{w}"] = (
+            summary[f"tiered_{w}"]["bytes"]["s3"] / share
+        )
+    targets = {
+        name: {"target": "<= 0.3" if "time" in name else "<= 1.0",
+               "met": value <= (0.3 if "time" in name else 1.0)}
+        for name, value in ratios.items()
+    }  # fmt: skip
+    return {
+        "command": " ".join(["python", "bench/bench_restore_tier.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": {
+            "total_bytes": shape.total_bytes,
+            "save_world_size": SAVE_WORLD,
+            "lost_node": LOST,
+            "repeats": opts.repeats,
+            "quick": opts.quick,
+        },  # fmt: skip
+        "server": server,
+        "machine": bc.machine(),
+        "save_seconds": saved["save_seconds"],
+        "lost_share_bytes": share,
+        "variants": summary,
+        "ratios": ratios,
+        "targets": targets,
+    }
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    seconds = [r["seconds"] for r in runs]
+    return {
+        "seconds": seconds,
+        "seconds_median": statistics.median(seconds),
+        "seconds_spread": max(seconds) - min(seconds),
+        "bytes": runs[-1]["bytes"],  # the same every repeat (the caches are reset)
+        "world": runs[-1]["world"],
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [
+        f"lost node's share: {report['lost_share_bytes'] / MIB:.1f} MiB "
+        f"(state {report['config']['total_bytes'] / MIB:.0f} MiB); {report['server']}",
+        f"{'restore':<14}{'ranks':>6}{'median s':>10}{'spread':>8}"
+        f"{'MiB local':>11}{'MiB peer':>10}{'MiB s3':>9}",
+        "-" * 68,
+    ]
+    for name, v in report["variants"].items():
+        b = v["bytes"]
+        lines.append(
+            f"{name:<14}{v['world']:>6}{v['seconds_median']:>10.2f}{v['seconds_spread']:>8.2f}"
+            f"{b['local'] / MIB:>11.1f}{b['peer'] / MIB:>10.1f}{b['s3'] / MIB:>9.1f}"
+        )
+    lines += ["", f"{'ratio':<48}{'value':>8}  target    met"]
+    for name, value in report["ratios"].items():
+        t = report["targets"][name]
+        lines.append(f"{name:<48}{value:>8.3f}  {t['target']:<8}  {'yes' if t['met'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="write the figures and ratios here")
+    parser.add_argument("--quick", action="store_true", help="24 MiB, 1 repeat: a smoke run")
+    parser.add_argument("--total-mib", type=int, default=768, help="state size (default 768)")
+    parser.add_argument("--tensors", type=int, default=12, help="tensors in the state")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the four variants")
+    bc.add_s3_arguments(parser)
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        opts.total_mib, opts.repeats = 24, 1
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bc.script_main(
+        argv, parse_args=parse_args, run=run, table=table, worker_main=worker_main
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
