@@ -95,6 +95,7 @@ def main() -> None:
             sampler.load_state_dict(extra["sampler"])  # refuses another seed, batch or dataset
             log("restored", step=restored.step, world_size=world,
                 seconds=round(restored.seconds, 3), bytes_fetched=restored.bytes_fetched,
+                bytes_by_tier=restored.bytes_by_tier,
                 eval_loss=eval_loss(model))
         else:
             log("fresh_start", world_size=world)

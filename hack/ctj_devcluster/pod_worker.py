@@ -190,6 +190,7 @@ class PodWorker:
                 get_config_map=self.agent.pod_api.get_config_map,
                 request_token=self.agent.pod_api.request_token,
                 shm_dir=self.shm_dir,
+                host_root=self.agent.config.root / "host",
             )
             self._prepared = True
         except Exception as exc:  # ConfigError or an API error: reported on the pod, retried

@@ -3,7 +3,8 @@
 Supported: emptyDir (``medium: Memory`` lives under /dev/shm, as the tmpfs a kubelet would
 mount), secret, configMap, downwardAPI, projected (serviceAccountToken, secret, configMap,
 downwardAPI: what the ServiceAccount admission plugin adds as ``kube-api-access-*``) and
-hostPath. The service-account token comes from the TokenRequest API, bound to the pod, with
+hostPath, which is the node's own: ``<node root>/host/<path>``, so two nodes on one machine
+never share one (a node-local cache must be lost with its node). The service-account token comes from the TokenRequest API, bound to the pod, with
 the node's own credentials: the Node authorizer allows that only for pods on this node.
 Anything else is a ConfigError, reported on the pod like a kubelet would.
 """
@@ -67,6 +68,7 @@ def materialize(
     get_config_map: Getter,
     request_token: TokenFn,
     shm_dir: Path,
+    host_root: Path,
 ) -> dict[str, Path]:
     """Creates every volume of ``pod`` and returns volume name -> host path
     (``medium: Memory`` emptyDirs under ``shm_dir``, the pod's tmpfs)."""
@@ -81,7 +83,7 @@ def materialize(
                 target = shm_dir / name
             target.mkdir(parents=True, exist_ok=True)
         elif "hostPath" in volume:
-            target = Path(volume["hostPath"]["path"])
+            target = host_root / volume["hostPath"]["path"].lstrip("/")
             if volume["hostPath"].get("type") in ("DirectoryOrCreate",):
                 target.mkdir(parents=True, exist_ok=True)
         elif "secret" in volume:

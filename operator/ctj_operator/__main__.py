@@ -23,8 +23,10 @@ import kopf
 from kubernetes import client, config
 
 from . import handlers  # noqa: F401 - registers the handlers
+from .capacity import parse_quantity
 from .handlers import METRICS, Cluster
 from .leader import ElectionConfig, LeaderElection
+from .spec import NodeCache, SpecError
 
 log = logging.getLogger("ctj.operator")
 
@@ -39,6 +41,15 @@ def _api_client(kubeconfig: str | None) -> client.ApiClient:
     return client.ApiClient()
 
 
+def _node_cache(parser: argparse.ArgumentParser, args: argparse.Namespace) -> NodeCache | None:
+    if not args.node_cache_path:
+        return None
+    try:
+        return NodeCache(args.node_cache_path, int(parse_quantity(args.node_cache_size)))
+    except (ValueError, SpecError) as exc:
+        parser.error(f"--node-cache-path/--node-cache-size: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ctj-operator")
     parser.add_argument("--kubeconfig", help="default: in-cluster, then ~/.kube/config")
@@ -50,6 +61,17 @@ def main(argv: list[str] | None = None) -> int:
         "--sidecar-image",
         default=os.environ.get("CTJ_SIDECAR_IMAGE"),
         help="checkpoint sidecar image for jobs that name none (default: CTJ_SIDECAR_IMAGE)",
+    )
+    parser.add_argument(
+        "--node-cache-path",
+        default=os.environ.get("CTJ_NODE_CACHE_PATH") or None,
+        help="hostPath root of the node-local chunk cache (a directory per job under it); "
+        "unset: no node cache (default: CTJ_NODE_CACHE_PATH)",
+    )
+    parser.add_argument(
+        "--node-cache-size",
+        default=os.environ.get("CTJ_NODE_CACHE_SIZE") or "20Gi",
+        help="each job's node cache bound per node (default: CTJ_NODE_CACHE_SIZE, else 20Gi)",
     )
     parser.add_argument("--watch-timeout", type=float, default=60.0)
     parser.add_argument("--liveness-port", type=int, default=8081)
@@ -68,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # "Timer succeeded" each second
     api = _api_client(args.kubeconfig)
-    Cluster.connect(api, sidecar_image=args.sidecar_image)
+    Cluster.connect(api, sidecar_image=args.sidecar_image, node_cache=_node_cache(parser, args))
     if _has_pytorchjobs(api):
         kopf.index("kubeflow.org", "v1", "pytorchjobs", labels={handlers.LABEL_JOB: kopf.PRESENT})(
             handlers.ctj_pytorchjobs

@@ -21,6 +21,8 @@ LABEL_WORLD = f"{GROUP}/world-size"
 MASTER_PORT = 29500
 METRICS_PORT = 9400
 STAGING_PATH = "/ctj/staging"
+CACHE_PATH = "/ctj/cache"
+CACHE_PORT = 9402  # each sidecar serves its node's chunk cache to the job's peers here
 DEFAULT_SIDECAR_IMAGE = "ctj-trainer:latest"
 ANNOTATION_LAST_CHECKPOINT = f"{GROUP}/last-checkpoint"  # rank 0's sidecar writes it
 ANNOTATION_CHECKPOINT_REQUEST = f"{GROUP}/checkpoint-request"  # the operator writes it
@@ -105,6 +107,66 @@ def _storage_env(spec: JobSpec, uri: str) -> list[dict[str, Any]]:
                 }
             )
     return env
+
+
+def cache_secret_name(job: str) -> str:
+    return f"{job}-ctj-cache"
+
+
+def build_cache_secret(body: dict[str, Any], token: str) -> dict[str, Any]:
+    """The job's secret for its peer caches: only the job's pods read it (secretKeyRef)."""
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": cache_secret_name(name),
+            "labels": {LABEL_JOB: name},
+            "ownerReferences": [owner_reference(body)],
+        },
+        "type": "Opaque",
+        "stringData": {"token": token},
+    }
+
+
+def _node_cache(
+    pod_spec: dict[str, Any], spec: JobSpec, body: dict[str, Any], peers: list[str]
+) -> None:
+    """The node-local chunk cache (a hostPath per job) in the trainer and the sidecar, and
+    the sidecar serving it to ``peers`` (host:port of every rank's pod, this one's included:
+    a process leaves out its own hostname)."""
+    cache = spec.checkpoint.node_cache
+    if cache is None:
+        return
+    meta = body["metadata"]
+    pod_spec.setdefault("volumes", []).append(
+        {
+            "name": "ctj-cache",
+            "hostPath": {
+                "path": f"{cache.root.rstrip('/')}/{meta['namespace']}/{meta['name']}",
+                "type": "DirectoryOrCreate",
+            },
+        }
+    )
+    env: list[dict[str, Any]] = [
+        {"name": "CTJ_CACHE_DIR", "value": CACHE_PATH},
+        {"name": "CTJ_CACHE_MAX_BYTES", "value": str(cache.size_bytes)},
+        {"name": "CTJ_CACHE_PEERS", "value": ",".join(peers)},
+        {
+            "name": "CTJ_CACHE_TOKEN",
+            "valueFrom": {
+                "secretKeyRef": {"name": cache_secret_name(meta["name"]), "key": "token"}
+            },
+        },
+    ]
+    sidecar = pod_spec["initContainers"][-1]
+    for container in (pod_spec["containers"][0], sidecar):
+        _merge_env(container, env)
+        container.setdefault("volumeMounts", []).append(
+            {"name": "ctj-cache", "mountPath": CACHE_PATH}
+        )
+    sidecar["env"].append({"name": "CTJ_CACHE_PORT", "value": str(CACHE_PORT)})
+    sidecar["ports"].append({"name": "peer-cache", "containerPort": CACHE_PORT})
 
 
 def _merge_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
@@ -236,6 +298,8 @@ def build_pod(
         "CTJ_ATTEMPT": str(attempt),
     }
     pod_spec = _trainer_pod_spec(spec, uri, [{"name": k, "value": v} for k, v in torch_env.items()])
+    peers = [f"{pod_name(job, attempt, r)}.{job}:{CACHE_PORT}" for r in range(world_size)]
+    _node_cache(pod_spec, spec, body, peers)
     sidecar = pod_spec["initContainers"][-1]
     sidecar["env"] += _heartbeat_env(spec, node_rank)
     pod_spec["hostname"] = name
@@ -378,6 +442,9 @@ def build_pytorchjob(
     trainer["name"] = "pytorch"  # the name PyTorchJob requires
     ports = [p for p in trainer.get("ports") or [] if p.get("name") != KF_PORT_NAME]
     trainer["ports"] = ports + [{"name": KF_PORT_NAME, "containerPort": master_port(attempt)}]
+    # the controller's per-pod headless Services are named like the pods
+    peers = [f"{rank_pod_name(spec, job, attempt, r)}:{CACHE_PORT}" for r in range(world_size)]
+    _node_cache(pod_spec, spec, body, peers)
     _place(pod_spec, job, attempt, avoid)
     labels = {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt), LABEL_WORLD: str(world_size)}
     template_meta = spec.template.get("metadata") or {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
@@ -53,7 +54,7 @@ from .observe import (
     pod_summary,
     pod_view,
 )
-from .spec import GROUP, PLURAL, VERSION, JobSpec, SpecError, job_checkpoint_uri
+from .spec import GROUP, PLURAL, VERSION, JobSpec, NodeCache, SpecError, job_checkpoint_uri
 
 log = logging.getLogger("ctj.operator")
 METRICS = OperatorMetrics()
@@ -76,13 +77,21 @@ class Cluster:
     coordination: client.CoordinationV1Api
     rbac: client.RbacAuthorizationV1Api
     sidecar_image: str = builders.DEFAULT_SIDECAR_IMAGE  # for specs that name none
+    node_cache: NodeCache | None = None  # --node-cache-path/--node-cache-size (None: off)
     leader: LeaderElection | None = None
     pytorchjob_index = False  # the PyTorchJob CRD exists and is watched
 
     @classmethod
-    def connect(cls, api: client.ApiClient, *, sidecar_image: str | None = None) -> None:
+    def connect(
+        cls,
+        api: client.ApiClient,
+        *,
+        sidecar_image: str | None = None,
+        node_cache: NodeCache | None = None,
+    ) -> None:
         if sidecar_image:
             cls.sidecar_image = sidecar_image
+        cls.node_cache = node_cache
         cls.core = client.CoreV1Api(api)
         cls.custom = client.CustomObjectsApi(api)
         cls.coordination = client.CoordinationV1Api(api)
@@ -204,7 +213,11 @@ def reconcile(body: kopf.Body, name: str, namespace: str | None, uid: str, **ind
     if _stale(uid, str(body.metadata.get("resourceVersion"))):
         return
     try:
-        spec = JobSpec.parse(dict(body.get("spec") or {}), sidecar_image=Cluster.sidecar_image)
+        spec = JobSpec.parse(
+            dict(body.get("spec") or {}),
+            sidecar_image=Cluster.sidecar_image,
+            node_cache=Cluster.node_cache,
+        )
     except SpecError as exc:
         if status.get("phase") != "Failed":
             plan = Plan(
@@ -473,6 +486,9 @@ def _create_attempt(body: dict[str, Any], spec: JobSpec, uri: str, action: Creat
     )
     for lease in builders.build_leases(body, spec, attempt=attempt, world_size=world_size):
         _create(Cluster.coordination.create_namespaced_lease, namespace, lease)
+    if spec.checkpoint.node_cache is not None:  # made once per job; kept across attempts
+        secret = builders.build_cache_secret(body, secrets.token_hex(32))
+        _create(Cluster.core.create_namespaced_secret, namespace, secret)
     if spec.backend == "pytorchjob":
         job = builders.build_pytorchjob(
             body, spec, uri=uri, attempt=attempt, world_size=world_size, avoid=action.avoid

@@ -19,6 +19,42 @@ class SpecError(ValueError):
     """The spec cannot work; the message names the field and the fix."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeCache:
+    """The node-local chunk cache: a hostPath per job under ``root`` on every node, bounded
+    to ``size_bytes`` (the operator's --node-cache-path/--node-cache-size; a job may turn it
+    off or change the bound with spec.checkpoint.nodeCache)."""
+
+    root: str
+    size_bytes: int
+
+    def __post_init__(self) -> None:
+        if not self.root.startswith("/"):
+            raise SpecError(f"node cache path {self.root!r} must be absolute")
+        if self.size_bytes < 64 << 20:
+            raise SpecError(
+                f"spec.checkpoint.nodeCache.sizeLimit is {self.size_bytes} bytes: use 64Mi or more"
+            )
+
+
+def _node_cache(raw: dict[str, Any], default: NodeCache | None) -> NodeCache | None:
+    """A job's node cache: the operator's, unless the job turns it off or resizes it."""
+    if default is None or raw.get("enabled", True) is False:
+        return None
+    if "sizeLimit" not in raw:
+        return default
+    from .capacity import parse_quantity  # here: capacity imports builders, which import us
+
+    try:
+        size = parse_quantity(str(raw["sizeLimit"]))
+    except ValueError:
+        raise SpecError(
+            f"spec.checkpoint.nodeCache.sizeLimit={raw['sizeLimit']!r} is not a quantity: "
+            "use e.g. 20Gi"
+        ) from None
+    return NodeCache(default.root, int(size))
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointSpec:
     uri: str
@@ -31,6 +67,7 @@ class CheckpointSpec:
     sidecar_image: str | None = None
     sidecar_resources: dict[str, Any] | None = None
     staging_size_limit: str = "8Gi"
+    node_cache: NodeCache | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,8 +118,14 @@ class JobSpec:
             raise SpecError(f"spec.backend={self.backend!r}: use pods or pytorchjob")
 
     @classmethod
-    def parse(cls, spec: dict[str, Any], *, sidecar_image: str | None = None) -> JobSpec:
-        """``sidecar_image``: the operator's default when the spec names none."""
+    def parse(
+        cls,
+        spec: dict[str, Any],
+        *,
+        sidecar_image: str | None = None,
+        node_cache: NodeCache | None = None,
+    ) -> JobSpec:
+        """``sidecar_image``, ``node_cache``: the operator's defaults."""
         ck = spec.get("checkpoint") or {}
         if not ck.get("uri"):
             raise SpecError("spec.checkpoint.uri is missing: set s3://bucket/prefix")
@@ -108,6 +151,7 @@ class JobSpec:
                 sidecar_image=ck.get("sidecarImage") or sidecar_image,
                 sidecar_resources=ck.get("sidecarResources") or None,
                 staging_size_limit=str(ck.get("stagingSizeLimit", "8Gi")),
+                node_cache=_node_cache(dict(ck.get("nodeCache") or {}), node_cache),
             ),
             max_restarts=int(restart.get("maxRestarts", 10)),
             backoff_seconds=float(restart.get("backoffSeconds", 2.0)),

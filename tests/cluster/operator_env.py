@@ -132,9 +132,15 @@ class OperatorProcess:
             return r.read().decode()
 
 
+NODE_CACHE = "/var/lib/ctj/cache"  # the chart's default hostPath
+
+
 @pytest.fixture
 def operator(op_cluster: Cluster, tmp_path: Path) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(op_cluster, tmp_path / "operator.log")
+    # the node cache on, as the chart has it (a hostPath: each dev-cluster node has its own)
+    op = OperatorProcess(
+        op_cluster, tmp_path / "operator.log", extra_args=("--node-cache-path", NODE_CACHE)
+    )
     op.start()
     try:
         yield op

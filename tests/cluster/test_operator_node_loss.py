@@ -104,6 +104,9 @@ def test_node_loss_shrinks_to_two_then_the_node_returns_and_it_grows_to_three(
     }
     restored, _ = _resumed(op_cluster, ns, f"{name}-a2-0", 2, committed[-1])
     assert restored["step"] in staged_in_1
+    # the survivors' node caches served what they hold; only the rest came from S3
+    tiers = restored["bytes_by_tier"]
+    assert tiers.get("local", 0) > 0 and tiers.get("s3", 0) < restored["bytes_fetched"], tiers
     recovery_count = wait_for(
         lambda: metric_value(operator.metrics(), "ctj_job_recovery_seconds_count"),
         "a recovery observation in /metrics",

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from ctj_operator import builders
-from ctj_operator.spec import JobSpec
+from ctj_operator.spec import JobSpec, NodeCache, SpecError
 
 BODY = {"metadata": {"name": "demo", "namespace": "ml", "uid": "u-1"}}
 URI = "s3://bucket/jobs/ml/demo-u-1"
@@ -257,3 +257,71 @@ def test_suspect_nodes_are_excluded_from_every_node_selector_term() -> None:
     assert affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ][0] == {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["a"]}]}
+
+
+CACHE = NodeCache("/var/lib/ctj/cache", 20 << 30)
+
+
+def cached_spec(backend: str = "pods", **checkpoint: Any) -> JobSpec:
+    spec = job_spec()
+    raw = {
+        "replicas": 3,
+        "backend": backend,
+        "checkpoint": {"uri": "s3://bucket/jobs", **checkpoint},
+        "template": spec.template,
+    }
+    return JobSpec.parse(raw, node_cache=CACHE)
+
+
+def test_the_node_cache_is_a_hostpath_per_job_in_both_containers_served_to_the_peers() -> None:
+    p = builders.build_pod(BODY, cached_spec(), uri=URI, attempt=2, world_size=3, node_rank=1)
+    spec = p["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "ctj-cache"]
+    assert volume["hostPath"] == {
+        "path": "/var/lib/ctj/cache/ml/demo",
+        "type": "DirectoryOrCreate",
+    }
+    trainer, sidecar = spec["containers"][0], spec["initContainers"][-1]
+    peers = ",".join(f"demo-a2-{r}.demo:{builders.CACHE_PORT}" for r in range(3))
+    for container in (trainer, sidecar):
+        env = env_of(container)
+        assert env["CTJ_CACHE_DIR"] == builders.CACHE_PATH
+        assert env["CTJ_CACHE_MAX_BYTES"] == str(20 << 30)
+        assert env["CTJ_CACHE_PEERS"] == peers
+        # the token only as a reference to the job's Secret
+        assert env["CTJ_CACHE_TOKEN"] == {
+            "secretKeyRef": {"name": "demo-ctj-cache", "key": "token"}
+        }
+        assert {"name": "ctj-cache", "mountPath": builders.CACHE_PATH} in container["volumeMounts"]
+    assert env_of(sidecar)["CTJ_CACHE_PORT"] == str(builders.CACHE_PORT)
+    assert "CTJ_CACHE_PORT" not in env_of(trainer)
+
+
+def test_pytorchjob_peers_are_the_controllers_pod_services() -> None:
+    job = builders.build_pytorchjob(BODY, cached_spec("pytorchjob"), uri=URI, attempt=1, world_size=3)
+    master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert env_of(master["containers"][0])["CTJ_CACHE_PEERS"] == (
+        "demo-a1-master-0:9402,demo-a1-worker-0:9402,demo-a1-worker-1:9402"
+    )
+
+
+def test_a_job_may_resize_or_turn_off_the_node_cache_and_the_operator_default_is_off() -> None:
+    assert cached_spec().checkpoint.node_cache == CACHE
+    assert cached_spec(nodeCache={"sizeLimit": "1Gi"}).checkpoint.node_cache == NodeCache(
+        CACHE.root, 1 << 30
+    )
+    assert cached_spec(nodeCache={"enabled": False}).checkpoint.node_cache is None
+    assert job_spec().checkpoint.node_cache is None  # the operator was given no cache path
+    plain = builders.build_pod(BODY, job_spec(), uri=URI, attempt=1, world_size=2, node_rank=0)
+    assert "CTJ_CACHE_DIR" not in env_of(plain["spec"]["containers"][0])
+    with pytest.raises(SpecError, match=r"nodeCache\.sizeLimit='lots' is not a quantity"):
+        cached_spec(nodeCache={"sizeLimit": "lots"})
+    with pytest.raises(SpecError, match="64Mi or more"):
+        cached_spec(nodeCache={"sizeLimit": "1Mi"})
+
+
+def test_the_cache_secret_is_owned_by_the_job() -> None:
+    secret = builders.build_cache_secret(BODY, "t" * 64)
+    assert secret["metadata"]["name"] == "demo-ctj-cache"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert secret["stringData"] == {"token": "t" * 64}
