@@ -11,7 +11,6 @@ import enum
 import hashlib
 import os
 import re
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -64,11 +63,9 @@ def _flag(value: str) -> bool:
 
 
 def _peer_list(value: str) -> tuple[str, ...]:
-    """CTJ_CACHE_PEERS: comma-separated host:port, this pod's own entry left out (its
-    cache is the local tier already)."""
-    own = socket.gethostname()
-    peers = tuple(p.strip() for p in value.split(",") if p.strip())
-    return tuple(p for p in peers if p.split(":")[0].split(".")[0] != own)
+    """CTJ_CACHE_PEERS: comma-separated host:port, one per pod of the attempt, in node-rank
+    order (this pod's own entry included: store/peers.own_index finds it)."""
+    return tuple(p.strip() for p in value.split(",") if p.strip())
 
 
 def job_staging_dir(config: CheckpointConfig) -> Path:
@@ -128,7 +125,8 @@ class CheckpointConfig:
     cache_max_bytes: int = 16 << 30
     """Bound of the node-local cache; the least recently used chunks go beyond it."""
     cache_peers: tuple[str, ...] = ()
-    """host:port of the job's other pods' cache servers, read before S3 on a restore."""
+    """host:port of every pod's cache server, in node-rank order (this pod's included, and
+    skipped when reading): read before S3 on a restore."""
     cache_port: int | None = None
     """The sidecar serves this node's cache to the peers on this port (None: doesn't)."""
     cache_token: str | None = dataclasses.field(default=None, repr=False)

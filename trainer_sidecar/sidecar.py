@@ -34,8 +34,10 @@ from .errors import CheckpointError
 from .metrics import CheckpointMetrics, HeartbeatMetrics, StagingCollector, serve
 from .save import slots
 from .save.persist import Persister
+from .store.base import ObjectStore
 from .store.chunk_cache import ChunkCache
-from .store.peers import serve_cache
+from .store.peers import PeerCaches, own_index, serve_cache
+from .store.replication import Replicator
 from .store.s3 import S3Settings, open_store
 
 log = logging.getLogger("ctj.sidecar")
@@ -93,6 +95,24 @@ def _ignore(signum: int, frame: Any) -> None:
     installed so that SIGTERM does not kill the process by default."""
 
 
+def _replicator(
+    config: CheckpointConfig, store: ObjectStore, cache: ChunkCache | None
+) -> Replicator | None:
+    """Peer replication (store/replication.py), where this pod has a cache, peers, and
+    finds itself among them."""
+    if cache is None or not config.cache_peers or not config.cache_token:
+        return None
+    own = own_index(config.cache_peers)
+    if own is None:
+        log.warning("this pod is not among CTJ_CACHE_PEERS: no peer replication")
+        return None
+    peers = PeerCaches(config.cache_peers, token=config.cache_token)
+    return Replicator(
+        store, cache, peers, own=own, pods=len(config.cache_peers),
+        give_up_s=config.commit_timeout_s,
+    )  # fmt: skip
+
+
 def run(
     config: CheckpointConfig,
     *,
@@ -109,8 +129,15 @@ def run(
     metrics = CheckpointMetrics()
     metrics.registry.register(StagingCollector(root))
     cache = ChunkCache(config.cache_dir, config.cache_max_bytes) if config.cache_dir else None
+    replicator = _replicator(config, store, cache)
     persister = Persister(
-        store, config, root=root, metrics=metrics, versions={"ctj": __version__}, cache=cache
+        store,
+        config,
+        root=root,
+        metrics=metrics,
+        versions={"ctj": __version__},
+        cache=cache,
+        on_stored=replicator.saved if replicator is not None else None,
     )
     stop = threading.Event()
 
@@ -172,6 +199,8 @@ def run(
         if peer_server is not None:
             peer_server.shutdown()
             peer_server.server_close()
+        if replicator is not None:
+            replicator.stop()
         if left:
             log.warning(
                 "exiting with steps %s staged but not committed (after %.1fs)",

@@ -111,3 +111,16 @@ def blocks_for_range(start: int, end: int, size: int, block_size: int) -> tuple[
     a = (start // block_size) * block_size
     b = min(size, -(-end // block_size) * block_size)
     return a, b
+
+
+def blocks_match(
+    data: bytes | memoryview, digests: Sequence[str], first: int, block_size: int
+) -> bool:
+    """Whether ``data``, the bytes of a chunk from block ``first`` on (block-aligned), match
+    the chunk's hex block digests, every block of it."""
+    view = memoryview(data)
+    return all(
+        first + k // block_size < len(digests)
+        and blake3.blake3(view[k : k + block_size]).hexdigest() == digests[first + k // block_size]
+        for k in range(0, max(len(view), 1), block_size)
+    )

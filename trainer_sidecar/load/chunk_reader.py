@@ -15,11 +15,10 @@ import dataclasses
 import threading
 from collections.abc import Sequence
 
-import blake3
 import zstandard
 
 from ..errors import CorruptCheckpointError, ObjectNotFound
-from ..format.chunking import blocks_for_range
+from ..format.chunking import blocks_for_range, blocks_match
 from ..format.manifest import ChunkRef, FileEntry, Manifest
 from ..store.base import ObjectStore
 from .tiers import STORE, ChunkTiers
@@ -121,12 +120,7 @@ class ChunkReader:
     def _verified(self, chunk: ChunkRef, data: bytes, a: int) -> bool:
         """Every block of ``data`` (chunk bytes from offset ``a``, block-aligned) matches."""
         bs = self.manifest.block_size
-        view = memoryview(data)
-        first = a // bs
-        return all(
-            blake3.blake3(view[k : k + bs]).hexdigest() == chunk.blocks[first + k // bs]
-            for k in range(0, max(len(data), 1), bs)
-        )
+        return blocks_match(data, chunk.blocks, a // bs, bs)
 
     def _count(self, n: int, tier: str) -> None:
         with self._stats_lock:

@@ -29,6 +29,7 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..config import CheckpointConfig
@@ -59,9 +60,13 @@ class Persister:
         rank: int | None = None,
         versions: dict[str, str] | None = None,
         cache: ChunkCache | None = None,
+        on_stored: Callable[[int, SaveIdentity], None] | None = None,
     ) -> None:
+        """``on_stored(step, save)``: this persister stored its rank's part of that save
+        (the sidecar's peer replication then waits for its commit)."""
         self.store = store
         self.cache = cache  # the node-local chunk cache the uploads fill (None: off)
+        self.on_stored = on_stored
         self.rank = rank  # None: every rank staged under root (a sidecar serving a pod)
         self.config = config
         self.root = root
@@ -174,6 +179,8 @@ class Persister:
             part.uploaded_bytes,
             part.deduplicated_bytes,
         )
+        if self.on_stored is not None:
+            self.on_stored(staged.step, staged.save)
 
     def commit(self, staged: slots.StagedCheckpoint) -> Manifest:
         """Rank 0's job: once every rank's part of this save is stored, write the manifest."""

@@ -25,6 +25,7 @@ import http.server
 import json
 import logging
 import re
+import socket
 import threading
 import urllib.parse
 from collections.abc import Iterable, Sequence
@@ -117,11 +118,21 @@ def serve_cache(
 # -- the client (in a restoring rank) --------------------------------------------------
 
 
+def own_index(peers: Sequence[str], hostname: str | None = None) -> int | None:
+    """Which entry of the pods' list (``host:port``, host ``<pod>`` or ``<pod>.<service>``)
+    is this pod (its hostname is its pod name), or None."""
+    own = socket.gethostname() if hostname is None else hostname
+    found = [i for i, p in enumerate(peers) if p.rsplit(":", 1)[0].split(".")[0] == own]
+    return found[0] if found else None
+
+
 class PeerCaches:
     """The job's other pods' caches, as a restoring rank reads them."""
 
     def __init__(self, peers: Sequence[str], *, token: str, timeout_s: float = 10.0) -> None:
-        self.peers = [p for p in peers if p]
+        """``peers``: every pod's cache server; this pod's own entry is left out."""
+        own = own_index(peers)
+        self.peers = [p for i, p in enumerate(peers) if p and i != own]
         self._auth = {"Authorization": f"Bearer {token}"}
         self._timeout = timeout_s
         self._held: dict[str, list[str]] = {}  # chunk id -> peers that said they hold it
