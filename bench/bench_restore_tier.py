@@ -6,8 +6,10 @@ its own, which the save fills (store/chunk_cache.py). Node 2 is then lost (its
 cache is gone) and the next attempt restores, in two ways side by side:
 
 * S3 only: no caches (today's restore);
-* tiered: each rank reads its node's cache, then the surviving nodes' caches
-  through real peer servers (store/peers.py, HTTP with the job's token), then S3.
+* node cache: each rank reads its node's cache, then the surviving nodes' caches
+  through real peer servers (store/peers.py, HTTP with the job's token), then S3;
+* replicated: the same, after each node's sidecar copied the next node's share
+  into its own cache (store/replication.py), as it does after every commit.
 
 at the same world size (3: rank 2 rescheduled onto a new, empty node) and at
 another (3 -> 2: the survivors reshard). Variants are interleaved and repeated,
@@ -18,7 +20,7 @@ is checked against per-tensor checksums taken at save time.
     python bench/bench_restore_tier.py --s3 seaweedfs --json /tmp/tier.json   # 768 MiB
     python bench/bench_restore_tier.py --quick                                # smoke run
 
-Ratios: tiered time / S3-only time (goal <= 0.3), and the bytes the tiered
+Ratios: tiered time / S3-only time (goal <= 0.3), and the bytes a tiered
 restore read from S3 / the lost node's share (goal <= 1).
 """
 
@@ -69,6 +71,7 @@ def run_save(args: dict[str, Any]) -> dict[str, Any]:
     model = bc.build_model(bc.StateShape(**args["shape"]))
     bc.fill(model, seed=1)
     want = bc.checksums(model)
+
     def save() -> None:
         pending = ckpt.save(1, model=model)
         assert pending is not None  # busy policy wait: never skipped
@@ -111,7 +114,7 @@ def worker_main(phase: str, args_path: str) -> None:
 
 @dataclasses.dataclass
 class Nodes:
-    """Node cache directories, their pristine copies, and peer servers over the survivors."""
+    """Node cache directories, snapshots of them, and peer servers over the survivors."""
 
     root: Path
     token: str = dataclasses.field(default_factory=lambda: secrets.token_hex(16))
@@ -120,25 +123,26 @@ class Nodes:
     def dir(self, node: int) -> Path:
         return self.root / f"node-{node}"
 
-    def snapshot(self) -> None:
+    def snapshot(self, name: str) -> None:
         for n in range(SAVE_WORLD + 1):
             self.dir(n).mkdir(parents=True, exist_ok=True)
-            shutil.copytree(self.dir(n), self.root / f"pristine-{n}", dirs_exist_ok=True)
+            shutil.copytree(self.dir(n), self.root / name / str(n), dirs_exist_ok=True)
 
-    def reset(self) -> None:
-        """Every node's cache as it was right after the save, node LOST's gone, a new node
+    def reset(self, name: str) -> None:
+        """Every node's cache as snapshot ``name`` had it, node LOST's gone, a new node
         (SAVE_WORLD) empty: a restore reads through and would otherwise warm the next."""
         for n in range(SAVE_WORLD + 1):
             shutil.rmtree(self.dir(n), ignore_errors=True)
             if n == LOST or n == SAVE_WORLD:
                 self.dir(n).mkdir(parents=True)
             else:
-                shutil.copytree(self.root / f"pristine-{n}", self.dir(n))
+                shutil.copytree(self.root / name / str(n), self.dir(n))
 
     def serve(self, nodes: list[int]) -> None:
         from trainer_sidecar.store.chunk_cache import ChunkCache
         from trainer_sidecar.store.peers import serve_cache
 
+        self.stop()
         for n in nodes:
             cache = ChunkCache(self.dir(n), 64 << 30)
             self.servers[n] = serve_cache(cache, token=self.token, host="127.0.0.1")
@@ -147,6 +151,7 @@ class Nodes:
         for server in self.servers.values():
             server.shutdown()
             server.server_close()
+        self.servers = {}
 
     def address(self, n: int) -> str:
         return f"127.0.0.1:{self.servers[n].server_address[1]}"
@@ -161,24 +166,44 @@ class Nodes:
             "token": self.token,
         }
 
+    def replicate(self, manifest: Any) -> int:
+        """What each node's sidecar does after the commit (store/replication.py): copy
+        the next node's share from its cache; the bytes copied."""
+        from trainer_sidecar.store.chunk_cache import ChunkCache
+        from trainer_sidecar.store.peers import PeerCaches
+        from trainer_sidecar.store.replication import replicate
 
-VARIANTS = {  # name: (tiered, the nodes the restoring ranks run on)
-    "s3_only_w3": (False, [0, 1, SAVE_WORLD]),
-    "tiered_w3": (True, [0, 1, SAVE_WORLD]),
-    "s3_only_w2": (False, [0, 1]),
-    "tiered_w2": (True, [0, 1]),
+        self.serve(list(range(SAVE_WORLD)))
+        copied = 0
+        for n in range(SAVE_WORLD):
+            others = [self.address(p) for p in range(SAVE_WORLD) if p != n]
+            peers = PeerCaches(others, token=self.token)
+            cache = ChunkCache(self.dir(n), 64 << 30)
+            copied += replicate(manifest, cache, peers, own=n, pods=SAVE_WORLD)
+        return copied
+
+
+VARIANTS = {  # name: (tiered, the cache snapshot, the nodes the restoring ranks run on)
+    "s3_only_w3": (False, "saved", [0, 1, SAVE_WORLD]),
+    "node_cache_w3": (True, "saved", [0, 1, SAVE_WORLD]),
+    "replicated_w3": (True, "replicated", [0, 1, SAVE_WORLD]),
+    "s3_only_w2": (False, "saved", [0, 1]),
+    "node_cache_w2": (True, "saved", [0, 1]),
+    "replicated_w2": (True, "replicated", [0, 1]),
 }
 
 
-def lost_share(endpoint: str, uri: str) -> int:
-    """Bytes of the files the lost node's rank saved (from the manifest)."""
-    from trainer_sidecar.format.manifest import Manifest, manifest_key
+def read_manifest(endpoint: str, uri: str) -> Any:
+    from trainer_sidecar.load.checks import read_manifest as read
     from trainer_sidecar.store.base import Location
     from trainer_sidecar.store.s3 import S3Settings, S3Store
 
     settings = S3Settings(endpoint_url=endpoint)
-    store = S3Store(Location.parse(uri), settings, credentials=bc.CREDENTIALS)
-    manifest = Manifest.from_bytes(store.get(manifest_key(1)))
+    return read(S3Store(Location.parse(uri), settings, credentials=bc.CREDENTIALS), 1)
+
+
+def lost_share(manifest: Any) -> int:
+    """Bytes of the files the lost node's rank saved."""
     return sum(f.size for name, f in manifest.files.items() if name.startswith(f"__{LOST}_"))
 
 
@@ -193,16 +218,18 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             uri = f"s3://{bc.create_bucket(endpoint)}/tier"
             base = {"shape": dataclasses.asdict(shape), "uri": uri}
             bc.log(f"state: {shape.total_bytes / MIB:.0f} MiB over {SAVE_WORLD} ranks; {server}")
-            nodes.serve([])  # no servers yet: the save needs none
             saved = bc.run_world(
                 SAVE_WORLD, "save", base | nodes.placement([0, 1, 2]), env, script=__file__
             )
-            share = lost_share(endpoint, uri)
-            nodes.snapshot()
+            manifest = read_manifest(endpoint, uri)
+            share = lost_share(manifest)
+            nodes.snapshot("saved")
+            replicated = nodes.replicate(manifest)
+            nodes.snapshot("replicated")
             nodes.serve([n for n in range(SAVE_WORLD) if n != LOST])
             for i in range(opts.repeats):
-                for variant, (tiered, placed) in VARIANTS.items():
-                    nodes.reset()
+                for variant, (tiered, snapshot, placed) in VARIANTS.items():
+                    nodes.reset(snapshot)
                     bc.log(f"repeat {i + 1}/{opts.repeats}: {variant}")
                     args = base | nodes.placement(placed) | {
                         "tiered": tiered, "variant": variant, "checksums": saved["checksums"]
@@ -215,13 +242,13 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(root, ignore_errors=True)
     summary = {v: _summary(r) for v, r in runs.items()}
     ratios = {}
-    for w in ("w3", "w2"):
-        ratios[f"tiered_time_ratio_vs_s3_only_{w}"] = (
-            summary[f"tiered_{w}"]["seconds_median"] / summary[f"s3_only_{w}"]["seconds_median"]
-        )
-        ratios[f"tiered_s3_bytes_ratio_vs_lost_share_{w}"] = (
-            summary[f"tiered_{w}"]["bytes"]["s3"] / share
-        )
+    for tier in ("node_cache", "replicated"):
+        for w in ("w3", "w2"):
+            ours, s3 = summary[f"{tier}_{w}"], summary[f"s3_only_{w}"]
+            ratios[f"{tier}_time_ratio_vs_s3_only_{w}"] = (
+                ours["seconds_median"] / s3["seconds_median"]
+            )
+            ratios[f"{tier}_s3_bytes_ratio_vs_lost_share_{w}"] = ours["bytes"]["s3"] / share
     targets = {
         name: {"target": "<= 0.3" if "time" in name else "<= 1.0",
                "met": value <= (0.3 if "time" in name else 1.0)}
@@ -241,6 +268,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         "machine": bc.machine(),
         "save_seconds": saved["save_seconds"],
         "lost_share_bytes": share,
+        "replicated_bytes": replicated,
         "variants": summary,
         "ratios": ratios,
         "targets": targets,
@@ -261,15 +289,16 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     lines = [
         f"lost node's share: {report['lost_share_bytes'] / MIB:.1f} MiB "
-        f"(state {report['config']['total_bytes'] / MIB:.0f} MiB); {report['server']}",
-        f"{'restore':<14}{'ranks':>6}{'median s':>10}{'spread':>8}"
+        f"(state {report['config']['total_bytes'] / MIB:.0f} MiB); peer replication copied "
+        f"{report['replicated_bytes'] / MIB:.1f} MiB; {report['server']}",
+        f"{'restore':<16}{'ranks':>6}{'median s':>10}{'spread':>8}"
         f"{'MiB local':>11}{'MiB peer':>10}{'MiB s3':>9}",
         "-" * 68,
     ]
     for name, v in report["variants"].items():
         b = v["bytes"]
         lines.append(
-            f"{name:<14}{v['world']:>6}{v['seconds_median']:>10.2f}{v['seconds_spread']:>8.2f}"
+            f"{name:<16}{v['world']:>6}{v['seconds_median']:>10.2f}{v['seconds_spread']:>8.2f}"
             f"{b['local'] / MIB:>11.1f}{b['peer'] / MIB:>10.1f}{b['s3'] / MIB:>9.1f}"
         )
     lines += ["", f"{'ratio':<48}{'value':>8}  target    met"]
