@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures as cf
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import blake3
 import zstandard
@@ -55,12 +55,25 @@ class FileIndex:
         return out
 
 
+class _Indexes(dict[str, FileIndex]):
+    """Each file's FileIndex, built when a read first touches it: a version 3 manifest then
+    fetches only the rank manifests of the files read."""
+
+    def __init__(self, files: Mapping[str, FileEntry]) -> None:
+        super().__init__()
+        self.files = files
+
+    def __missing__(self, name: str) -> FileIndex:
+        index = self[name] = FileIndex(self.files[name])
+        return index
+
+
 class ChunkReader:
     def __init__(self, store: ObjectStore, manifest: Manifest, *, parallelism: int = 8) -> None:
         self.store = store
         self.manifest = manifest
         self.parallelism = parallelism
-        self.indexes = {name: FileIndex(f) for name, f in manifest.files.items()}
+        self.indexes = _Indexes(manifest.files)
         self.stats = ReadStats()
 
     def fetch_verified(self, chunk: ChunkRef, start: int, end: int) -> bytes:
