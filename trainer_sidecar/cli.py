@@ -21,7 +21,12 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
-from .errors import CheckpointError, NoCheckpointError, UnsafeCheckpointError
+from .errors import (
+    CheckpointError,
+    CorruptManifestError,
+    NoCheckpointError,
+    UnsafeCheckpointError,
+)
 from .format.manifest import Manifest
 from .store import repository as repo
 from .store.base import ObjectStore
@@ -157,6 +162,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             for p in problems:
                 if isinstance(p, UnsafeCheckpointError):
                     print(f"step {step}: UNSAFE: {p.chunk_id} {p.reason}")
+                elif isinstance(p, CorruptManifestError):
+                    print(f"step {step}: CORRUPT: {p.chunk_id} {p.reason}")
                 else:
                     print(f"step {step}: CORRUPT: {p.reason}: chunk {p.chunk_id}")
         else:

@@ -80,6 +80,7 @@ class Persister:
         self.wake = threading.Event()
         self.started_at = time.time()
         self._reference_cache: tuple[tuple[int, int, int], dict[str, ChunkRef]] | None = None
+        self._reference_read: Manifest | None = None
         self._watchers: dict[Watched, cf.Future[Manifest | None]] = {}
         self._lock = threading.Lock()
         self._latest: Manifest | None = None
@@ -147,7 +148,7 @@ class Persister:
         if self._reference_cache and self._reference_cache[0] == key:
             return self._reference_cache[1]
         try:
-            manifest = repository.read_manifest(self.store, step, retired_too=True)
+            manifest = self._reference_manifest(step)
             ranks = (
                 reference_ranks(staged.rank, staged.world_size, manifest.world_size)
                 if manifest.ranks
@@ -163,6 +164,13 @@ class Persister:
             chunks = {}
         self._reference_cache = (key, chunks)
         return chunks
+
+    def _reference_manifest(self, step: int) -> Manifest:
+        """The reference's manifest, read once per reference (a sidecar serving several
+        ranks reads it once for all of them, and each rank manifest once)."""
+        if self._reference_read is None or self._reference_read.step != step:
+            self._reference_read = repository.read_manifest(self.store, step, retired_too=True)
+        return self._reference_read
 
     def upload(self, slot: Path, staged: slots.StagedCheckpoint) -> None:
         """Upload one rank's staged checkpoint and store its part."""
