@@ -422,3 +422,47 @@ def test_a_saving_rank_reads_only_its_own_rank_manifest_of_the_reference(
     chunks = p._reference_chunks(staged)
     assert set(chunks) == {cid(1, "1", 2)}
     assert store.gets == [manifest_key(1), reference.ranks[2].key]
+
+
+def test_a_version_2_checkpoint_serves_whole_as_a_reference_and_stays_through_gc(
+    tmp_path: Path,
+) -> None:
+    store = MemoryStore()
+    files = {f"__{r}_0.distcp": entry("old", r) for r in range(2)}
+    for f in files.values():
+        store.put(f.chunks[0].key, b"x" * 4)
+    v2 = Manifest(
+        step=1,
+        mode="full",
+        parent_step=None,
+        base_step=1,
+        since_full=0,
+        world_size=2,
+        block_size=BS,
+        files=files,
+        logical_bytes=8,
+        uploaded_bytes=8,
+        deduplicated_bytes=0,
+        created=1.0,
+        save=A1,
+    )
+    store.put(manifest_key(1), v2.to_bytes())
+    assert json.loads(store.get(manifest_key(1)))["version"] == 2
+    delta = plan_save(
+        2, mode=Mode.INCREMENTAL, full_every=10, latest=repository.policy.Committed.of(v2), save=A2
+    )
+    staged = slots.StagedCheckpoint(
+        step=2,
+        rank=1,
+        world_size=2,
+        plan=delta,
+        files=(("__1_0.distcp", (Span(0, 4),)),),
+        staged_at=0.0,
+        stage_seconds=0.0,
+    )
+    config = CheckpointConfig(uri=f"file://{tmp_path}/store", keep_last=0)
+    p = Persister(store, config, root=tmp_path, metrics=CheckpointMetrics(), rank=1)
+    assert set(p._reference_chunks(staged)) == {cid("old", 0), cid("old", 1)}  # all of it
+    store.now += 3600
+    repository.collect_garbage(store, grace_s=60)
+    assert set(store.keys("chunks/")) == v2.chunk_keys()
