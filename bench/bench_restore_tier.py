@@ -204,7 +204,8 @@ def read_manifest(endpoint: str, uri: str) -> Any:
 
 def lost_share(manifest: Any) -> int:
     """Bytes of the files the lost node's rank saved."""
-    return sum(f.size for name, f in manifest.files.items() if name.startswith(f"__{LOST}_"))
+    sizes = manifest.file_sizes()
+    return sum(size for name, size in sizes.items() if name.startswith(f"__{LOST}_"))
 
 
 def run(opts: argparse.Namespace) -> dict[str, Any]:

@@ -21,7 +21,12 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
-from .errors import CheckpointError, NoCheckpointError, UnsafeCheckpointError
+from .errors import (
+    CheckpointError,
+    CorruptManifestError,
+    NoCheckpointError,
+    UnsafeCheckpointError,
+)
 from .format.manifest import Manifest
 from .store import repository as repo
 from .store.base import ObjectStore
@@ -111,6 +116,12 @@ def cmd_show(args: argparse.Namespace) -> int:
         f"deduplicated {_size(m.deduplicated_bytes)}"
     )
     print(f"timings: {', '.join(f'{k} {v:.3f}s' for k, v in sorted(m.timings.items()))}")
+    if m.ranks:  # version 3: what the manifest itself says; the chunk lists stay unread
+        print(f"format version 3: {len(m.ranks)} rank manifests (ranks/)")
+        for ref in m.ranks:
+            for name, size in sorted(ref.files.items()):
+                print(f"  {name:<20} {_size(size):>10}  rank {ref.rank}  {ref.key}")
+        return 0
     for name, f in sorted(m.files.items()):
         print(f"  {name:<20} {_size(f.size):>10}  {len(f.chunks)} chunks")
     return 0
@@ -151,6 +162,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             for p in problems:
                 if isinstance(p, UnsafeCheckpointError):
                     print(f"step {step}: UNSAFE: {p.chunk_id} {p.reason}")
+                elif isinstance(p, CorruptManifestError):
+                    print(f"step {step}: CORRUPT: {p.chunk_id} {p.reason}")
                 else:
                     print(f"step {step}: CORRUPT: {p.reason}: chunk {p.chunk_id}")
         else:
@@ -163,7 +176,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     verb = "would delete" if args.dry_run else "deleted"
     print(
         f"{verb} {report.deleted_chunks} chunks ({_size(report.deleted_bytes)}) and "
-        f"{report.deleted_parts} stale parts; {report.kept_chunks} chunks in use or in grace"
+        f"{report.deleted_parts} stale parts, {report.deleted_rank_manifests} rank manifests; "
+        f"{report.kept_chunks} chunks in use or in grace"
     )
     return 0
 

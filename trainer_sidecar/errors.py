@@ -30,6 +30,17 @@ class CorruptCheckpointError(CheckpointError):
         return type(self), (self.step, self.chunk_id, self.reason)
 
 
+class CorruptManifestError(CorruptCheckpointError):
+    """A rank manifest a committed checkpoint names is missing, fails its hash check, does
+    not parse, or is not that rank's of that save: the checkpoint is unusable."""
+
+    def __init__(self, step: int, what: str, reason: str) -> None:
+        CheckpointError.__init__(self, f"checkpoint step {step} is unusable: {what} {reason}")
+        self.step = step
+        self.chunk_id = what
+        self.reason = reason
+
+
 class UploadAborted(Exception):
     """An upload stopped before it finished (shutdown grace ran out); nothing was committed."""
 

@@ -4,8 +4,9 @@ Supported: emptyDir (``medium: Memory`` lives under /dev/shm, as the tmpfs a kub
 mount), secret, configMap, downwardAPI, projected (serviceAccountToken, secret, configMap,
 downwardAPI: what the ServiceAccount admission plugin adds as ``kube-api-access-*``) and
 hostPath, which is the node's own: ``<node root>/host/<path>``, so two nodes on one machine
-never share one (a node-local cache must be lost with its node). The service-account token comes from the TokenRequest API, bound to the pod, with
-the node's own credentials: the Node authorizer allows that only for pods on this node.
+never share one (a node-local cache must be lost with its node). The service-account token
+comes from the TokenRequest API, bound to the pod, with the node's own credentials: the
+Node authorizer allows that only for pods on this node.
 Anything else is a ConfigError, reported on the pod like a kubelet would.
 """
 

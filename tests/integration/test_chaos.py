@@ -65,6 +65,7 @@ from trainer_sidecar.errors import ObjectNotFound
 from trainer_sidecar.format.manifest import (
     CHUNKS,
     PARTS,
+    RANKS,
     Manifest,
     SaveIdentity,
     manifest_key,
@@ -544,12 +545,15 @@ class Location:
                 "verify", f"gc changed the commits: {sorted(manifests)} -> {sorted(after)}"
             )
         named = set().union(*(m.chunk_keys() for m in after.values())) if after else set()
-        chunks, parts = self.keys(CHUNKS), self.keys(PARTS)
-        if chunks != named or parts:
+        named_ranks = set().union(*(m.rank_keys() for m in after.values())) if after else set()
+        chunks, parts, ranks = self.keys(CHUNKS), self.keys(PARTS), self.keys(RANKS)
+        if chunks != named or parts or ranks != named_ranks:
             raise ChaosFailure(
                 "verify",
                 f"after gc --grace 0: {len(named - chunks)} named chunks missing, "
-                f"{len(chunks - named)} unnamed chunks left, parts left: {sorted(parts)[:5]}",
+                f"{len(chunks - named)} unnamed chunks left, parts left: {sorted(parts)[:5]}, "
+                f"{len(named_ranks - ranks)} named rank manifests missing, "
+                f"{len(ranks - named_ranks)} unnamed ones left",
             )
         self.verify("after gc")
         for m in after.values():

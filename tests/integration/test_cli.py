@@ -42,6 +42,11 @@ def test_export_is_read_by_stock_dcp_bitwise(s3_uri: str, tmp_path: Path) -> Non
 
     out = ctj("checkpoints", "ls", s3_uri)
     assert out.returncode == 0 and "full" in out.stdout and "3" in out.stdout, out
+    out = ctj("checkpoints", "show", s3_uri)
+    assert out.returncode == 0 and "format version 3: 2 rank manifests" in out.stdout, out
+    assert "__1_0.distcp" in out.stdout and "rank 1  ranks/" in out.stdout, out.stdout
+    out = ctj("checkpoints", "verify", s3_uri)
+    assert out.returncode == 0 and "step 3: ok" in out.stdout, out
     out = ctj(
         "checkpoints", "export", s3_uri, args["export_dir"], "--torch-save", args["torch_save"]
     )
@@ -67,6 +72,24 @@ def assert_one_line_error(out: subprocess.CompletedProcess[str], *phrases: str) 
     assert "Traceback" not in out.stderr
     for phrase in phrases:
         assert phrase in lines[0], (phrase, lines[0])
+
+
+def test_a_corrupt_rank_manifest_fails_verify_and_stops_gc(s3_uri: str) -> None:
+    import torch
+
+    from trainer_sidecar.store import repository as repo
+
+    with Checkpointer(CheckpointConfig(uri=s3_uri)) as ckpt:
+        ckpt.save(1, model=torch.nn.Linear(8, 8)).result()  # type: ignore[union-attr]
+        store = ckpt.store
+    key = repo.read_manifest(store, 1).ranks[0].key
+    store.put(key, store.get(key) + b" ")
+    out = ctj("checkpoints", "verify", s3_uri)
+    assert out.returncode == 1, out
+    assert f"step 1: CORRUPT: rank 0's manifest {key} fails its hash check" in out.stdout, out
+    out = ctj("checkpoints", "gc", s3_uri, "--grace", "0")
+    assert out.returncode == 2 and "gc stopped, nothing deleted" in out.stderr, out
+    assert "ctj checkpoints rm 1" in out.stderr, out.stderr
 
 
 def test_wrong_scheme() -> None:

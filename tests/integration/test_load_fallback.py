@@ -31,7 +31,7 @@ from tests.integration.test_safe_loading import (
 )
 from trainer_sidecar import CheckpointConfig, Checkpointer, CheckpointError
 from trainer_sidecar.errors import StoreUnavailable
-from trainer_sidecar.format.manifest import METADATA_FILE, Mode, manifest_key
+from trainer_sidecar.format.manifest import METADATA_FILE, RANKS, Mode, manifest_key
 from trainer_sidecar.store import repository as repo
 from trainer_sidecar.store.base import ObjectInfo, ObjectStore
 from trainer_sidecar.store.s3 import S3Settings, open_store
@@ -91,6 +91,33 @@ def test_a_manifest_without_metadata_is_skipped(
     files = {k: v for k, v in manifest.files.items() if k != METADATA_FILE}
     store.put(manifest_key(2), dataclasses.replace(manifest, files=files).to_bytes())
     load_falls_back_to_1(config, saved, ".metadata is missing from the manifest", caplog)
+
+
+def corrupt(store: ObjectStore, key: str) -> None:
+    """Wrong bytes at a key (one byte flipped), as a failing disk or a bucket writer leaves."""
+    body = bytearray(store.get(key))
+    body[len(body) // 2] ^= 0xFF
+    store.put(key, bytes(body))
+
+
+@pytest.mark.parametrize("damage", ["wrong-bytes", "gone"])
+def test_a_bad_rank_manifest_is_skipped(
+    damage: str, s3_uri: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Format version 3: rank 0's rank manifest (its chunk lists, ``.metadata``'s among
+    them) with wrong bytes, or gone, makes step 2 unusable like a corrupt chunk."""
+    config = CheckpointConfig(uri=s3_uri)
+    saved = save_steps(config, [1, 2])
+    store = Checkpointer(config).store
+    manifest = repo.read_manifest(store, 2)
+    assert manifest.version == 3 and len(manifest.ranks) == 1
+    key = manifest.ranks[0].key
+    if damage == "gone":
+        store.delete([key])
+    else:
+        corrupt(store, key)
+    why = "is missing" if damage == "gone" else "fails its hash check"
+    load_falls_back_to_1(config, saved, f"rank 0's manifest {key} {why}", caplog)
 
 
 def test_a_metadata_chunk_gone_from_the_store_is_skipped(
@@ -246,7 +273,7 @@ def load_and_report(args: dict[str, Any]) -> None:
     Path(f"{args['out']}.{rank}").write_text(json.dumps(report))
 
 
-@pytest.mark.parametrize("fault", ["chunk-only-rank-1-reads", "metadata"])
+@pytest.mark.parametrize("fault", ["chunk-only-rank-1-reads", "metadata", "rank-1-manifest"])
 def test_two_ranks_fall_back_together(
     fault: str, s3_uri: str, s3_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -257,6 +284,9 @@ def test_two_ranks_fall_back_together(
     if fault == "metadata":
         replace_files(store, 2, {METADATA_FILE: b"\x80\x04garbage"})
         bad = None
+    elif fault == "rank-1-manifest":  # version 3: rank 1's chunk lists, read by rank 1 alone
+        bad = manifests[2].ranks[1].key
+        corrupt(store, bad)
     else:
         rank1 = {c.key for c in manifests[2].files["__1_0.distcp"].chunks}
         bad = sorted(rank1 - manifests[1].chunk_keys())[0]
@@ -267,3 +297,7 @@ def test_two_ranks_fall_back_together(
     assert [(r["step"], r["skipped"]) for r in reports] == [(1, [2]), (1, [2])], reports
     if bad is not None:  # the corruption was seen by rank 1 alone, and rank 0 followed
         assert bad in reports[1]["read"] and bad not in reports[0]["read"]
+    if fault == "chunk-only-rank-1-reads":  # each rank read its own rank manifests, no others
+        for rank, report in enumerate(reports):
+            ranks_read = {k for k in report["read"] if k.startswith(RANKS)}
+            assert ranks_read == {manifests[s].ranks[rank].key for s in (1, 2)}, (rank, ranks_read)

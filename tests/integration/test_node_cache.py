@@ -73,7 +73,8 @@ def _bytes_by_tier(out: Path, world_size: int) -> list[dict[str, int]]:
 def _share(s3_uri: str, rank: int) -> int:
     """Bytes of the files the given rank of the saving world wrote."""
     manifest = Manifest.from_bytes(open_store(s3_uri).get(manifest_key(STEP)))
-    return sum(f.size for name, f in manifest.files.items() if name.startswith(f"__{rank}_"))
+    sizes = manifest.file_sizes()  # (names and sizes: no rank manifest read)
+    return sum(size for name, size in sizes.items() if name.startswith(f"__{rank}_"))
 
 
 def _args(s3_uri: str, tmp_path: Path, nodes: Nodes, placement: list[int]) -> dict[str, object]:

@@ -19,12 +19,14 @@ from trainer_sidecar.format.manifest import (
     Manifest,
     Mode,
     PartKey,
+    RankManifest,
     RankPart,
     SaveIdentity,
     failure_key,
     manifest_key,
     part_key,
     part_prefix,
+    rank_manifest_key,
 )
 from trainer_sidecar.format.policy import SavePlan, plan_save
 from trainer_sidecar.metrics import CheckpointMetrics
@@ -42,25 +44,40 @@ def plan(save: SaveIdentity, step: int = STEP) -> SavePlan:
     return plan_save(step, mode=Mode.FULL, full_every=1, latest=None, save=save)
 
 
+RANK_BODIES: dict[str, bytes] = {}  # rank manifests part() made, by digest
+
+
 def part(
     save: SaveIdentity, rank: int, world: int, *, chunk: str = "", step: int = STEP
 ) -> RankPart:
+    """A version 3 part; its rank manifest is stored with it by store_parts."""
     cid = chunk or f"{save.attempt}{rank}".ljust(64, "0")
     entry = FileEntry(4, (ChunkRef(cid, 4, 4, "none", ("b",)),))
-    return RankPart(
-        step=step,
-        rank=rank,
-        save=save,
+    rank_manifest = RankManifest(
+        step=step, rank=rank, save=save, block_size=1 << 20, files={f"__{rank}_0.distcp": entry}
+    )
+    body = rank_manifest.to_bytes()
+    made = RankPart.of(
+        rank_manifest,
+        body,
         world_size=world,
-        files={f"__{rank}_0.distcp": entry},
         uploaded_bytes=4,
         deduplicated_bytes=0,
         upload_seconds=0.1,
     )
+    RANK_BODIES[made.manifest] = body
+    return made
+
+
+def chunk_key_of(p: RankPart) -> str:
+    files = RankManifest.from_bytes(RANK_BODIES[p.manifest]).files
+    return next(iter(files.values())).chunks[0].key
 
 
 def store_parts(store: MemoryStore, *parts: RankPart) -> None:
+    """As upload_rank stores them: the rank manifest, then the part naming it."""
     for p in parts:
+        store.put(rank_manifest_key(p.manifest), RANK_BODIES[p.manifest])
         commits.store_part(store, p)
 
 
@@ -205,16 +222,16 @@ def test_a_retired_manifest_answers_only_for_its_own_save() -> None:
 def test_gc_removes_the_committed_saves_parts_at_once_and_others_after_the_grace() -> None:
     store = MemoryStore()
     straggler = part(A1, 1, 2, chunk="ff".ljust(64, "1"))
-    store.put(straggler.files["__1_0.distcp"].chunks[0].key, b"data")
+    store.put(chunk_key_of(straggler), b"data")
     store_parts(store, straggler)
     store_parts(store, part(A2, 0, 1))
     do_commit(store, A2, 1)
-    commits.store_part(store, part(A2, 0, 1))  # as if the cleanup after the commit was cut
+    store_parts(store, part(A2, 0, 1))  # as if the cleanup after the commit was cut
     store.now += 10
     report = repository.collect_garbage(store, grace_s=60)
     assert store.keys(part_prefix(STEP, A2)) == []
     assert store.keys(part_prefix(STEP, A1)) == [part_key(STEP, A1, 1)]  # maybe in flight
-    assert straggler.files["__1_0.distcp"].chunks[0].key in store.keys("chunks/")
+    assert chunk_key_of(straggler) in store.keys("chunks/")
     assert report.deleted_parts == 1
     store.now += 120
     repository.collect_garbage(store, grace_s=60)

@@ -298,7 +298,9 @@ def test_the_node_cache_is_a_hostpath_per_job_in_both_containers_served_to_the_p
 
 
 def test_pytorchjob_peers_are_the_controllers_pod_services() -> None:
-    job = builders.build_pytorchjob(BODY, cached_spec("pytorchjob"), uri=URI, attempt=1, world_size=3)
+    job = builders.build_pytorchjob(
+        BODY, cached_spec("pytorchjob"), uri=URI, attempt=1, world_size=3
+    )
     master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert env_of(master["containers"][0])["CTJ_CACHE_PEERS"] == (
         "demo-a1-master-0:9402,demo-a1-worker-0:9402,demo-a1-worker-1:9402"

@@ -1,19 +1,28 @@
 """The checkpoint format: object keys, chunk references, the per-step manifest.
 
-Format ``ctj-checkpoint`` version 2 (docs/format.md is the reference):
+Format ``ctj-checkpoint`` version 3 (docs/format.md is the reference):
 
     chunks/<id[:2]>/<id>[.zst]            content-addressed chunk, stored once
-    parts/<step>/<save>/rank-<r>.json     one rank's uploaded file list (pre-commit)
+    ranks/<h[:2]>/<h>.json                one rank's chunk lists (h = BLAKE3 of these bytes)
+    parts/<step>/<save>/rank-<r>.json     one rank's share of a save, small (pre-commit)
     parts/<step>/<save>/<who>.failed      a rank's (or the commit's) failure, for the others
     manifests/<step>.json                 the commit: a checkpoint exists iff this does
     retired/<step>.json                   a removed checkpoint's manifest, kept for the gc grace
 
 ``<save>`` is the save's identity (attempt and a nonce rank 0 chose): a commit
 takes exactly the parts of ranks 0..W-1 of one save, so nothing another attempt,
-a straggler or a second writer left can enter it. A manifest names every chunk
-of every file of its checkpoint, so a restore never walks a delta chain, and
-deleting any other checkpoint cannot break it. Version 1 (parts directly under
-``parts/<step>/``, no identity in the manifest) is still read.
+a straggler or a second writer left can enter it. A checkpoint names every
+chunk of every file it has, so a restore never walks a delta chain, and
+deleting any other checkpoint cannot break it.
+
+Why version 3: the block digests of a large job are big (about 64 MB of JSON
+per TB of state) and each rank needs only its share. So the manifest stays
+small (per rank: its rank manifest's hash, its file names and sizes, its
+totals) and each rank's chunk lists live in that rank's own immutable,
+content-addressed rank manifest, fetched (and its hash checked) only by a
+reader that touches one of its files (``RankFiles``). Versions 1 (parts
+directly under ``parts/<step>/``, no identity) and 2 (every chunk list inline
+in the manifest) are still read.
 """
 
 from __future__ import annotations
@@ -23,10 +32,17 @@ import enum
 import json
 import re
 import secrets
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import blake3
+
+from ..errors import CorruptManifestError, ObjectNotFound
+
 FORMAT = "ctj-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+INLINE_VERSION = 2  # the last version with every chunk list in the manifest itself
 METADATA_FILE = ".metadata"
 
 
@@ -90,6 +106,8 @@ MANIFESTS = "manifests/"
 RETIRED = "retired/"
 PARTS = "parts/"
 CHUNKS = "chunks/"
+RANKS = "ranks/"
+RANK_FORMAT = "ctj-checkpoint-rank"
 
 
 def manifest_key(step: int) -> str:
@@ -199,6 +217,246 @@ class FileEntry:
         return cls(int(raw["size"]), tuple(ChunkRef.from_json(c) for c in raw["chunks"]))
 
 
+def rank_manifest_key(digest: str) -> str:
+    """Where a rank manifest lives: at the BLAKE3 of its own bytes (so it is immutable)."""
+    return f"{RANKS}{digest[:2]}/{digest}.json"
+
+
+def rank_digest(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankRef:
+    """What a version 3 manifest says of one rank's share: where its chunk lists are, and
+    what planning, listing and retention need without reading them (names, sizes, totals)."""
+
+    rank: int
+    digest: str  # BLAKE3 hex of the rank manifest's bytes: its key and its check
+    files: dict[str, int]  # file name -> size
+    uploaded_bytes: int = 0
+    deduplicated_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or not _HEX64.fullmatch(self.digest):
+            raise ValueError(f"bad rank manifest reference {self.rank}/{self.digest!r}")
+
+    @property
+    def key(self) -> str:
+        return rank_manifest_key(self.digest)
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(self.files.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "manifest": self.digest,
+            "files": dict(sorted(self.files.items())),
+            "uploaded_bytes": self.uploaded_bytes,
+            "deduplicated_bytes": self.deduplicated_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> RankRef:
+        return cls(
+            int(raw["rank"]),
+            str(raw["manifest"]),
+            {str(k): int(v) for k, v in raw["files"].items()},
+            int(raw.get("uploaded_bytes", 0)),
+            int(raw.get("deduplicated_bytes", 0)),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RankManifest:
+    """One rank's chunk lists of one save (version 3): ``ranks/<h[:2]>/<h>.json``."""
+
+    step: int
+    rank: int
+    save: SaveIdentity
+    block_size: int
+    files: dict[str, FileEntry]
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": RANK_FORMAT,
+            "version": FORMAT_VERSION,
+            "step": self.step,
+            "rank": self.rank,
+            "save": self.save.to_json(),
+            "block_size": self.block_size,
+            "files": {name: f.to_json() for name, f in sorted(self.files.items())},
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RankManifest:
+        raw = json.loads(data)
+        if raw.get("format") != RANK_FORMAT:
+            raise ValueError("not a ctj rank manifest")
+        if int(raw.get("version", 0)) > FORMAT_VERSION:
+            raise ValueError(f"rank manifest version {raw['version']} is newer than this ctj")
+        return cls(
+            step=int(raw["step"]),
+            rank=int(raw["rank"]),
+            save=SaveIdentity.from_json(raw["save"]),
+            block_size=int(raw["block_size"]),
+            files={str(k): FileEntry.from_json(v) for k, v in raw["files"].items()},
+        )
+
+
+def open_rank_manifest(
+    data: bytes, ref: RankRef, *, step: int, save: SaveIdentity | None, block_size: int | None
+) -> dict[str, FileEntry]:
+    """The chunk lists of the rank manifest ``ref`` names, from its bytes; ValueError (the
+    reason) unless they hash to ``ref.digest``, parse, and are that rank's of that save,
+    with exactly the files and sizes the manifest gives (``block_size`` None: any)."""
+    if rank_digest(data) != ref.digest:
+        raise ValueError("fails its hash check")
+    try:
+        part = RankManifest.from_bytes(data)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"is unreadable ({exc})") from None
+    if (part.step, part.rank, part.save) != (step, ref.rank, save) or part.block_size != (
+        block_size or part.block_size
+    ):
+        raise ValueError(
+            f"belongs to step {part.step}, rank {part.rank} ({part.save}), not to this checkpoint"
+        )
+    if {n: f.size for n, f in part.files.items()} != ref.files:
+        raise ValueError("names other files or sizes than the checkpoint's manifest")
+    return part.files
+
+
+Fetch = Callable[[str], bytes]  # an object's bytes by key (ObjectNotFound if there is none)
+EntryCheck = Callable[[str, FileEntry], None]  # raises if a file's chunk list is malformed
+
+
+class RankFiles(Mapping[str, FileEntry]):
+    """A version 3 manifest's files: names and sizes come with the manifest; a rank's chunk
+    lists are fetched, hash-checked and parsed the first time one of its files is looked
+    up, once. ``in``, ``len``, iteration and ``sizes()`` read nothing.
+
+    A rank manifest that is missing, fails its hash, does not parse or does not match
+    makes the checkpoint unusable (``CorruptManifestError``, skipped like a corrupt chunk).
+    Bound to a store by ``fetch``; a pickled copy (another rank's) travels unbound and is
+    bound again there (``Manifest.bound``).
+    """
+
+    def __init__(
+        self,
+        refs: tuple[RankRef, ...],
+        *,
+        step: int,
+        save: SaveIdentity | None,
+        block_size: int,
+        fetch: Fetch | None = None,
+        check: EntryCheck | None = None,
+        loaded: dict[int, dict[str, FileEntry]] | None = None,
+    ) -> None:
+        self.refs = refs
+        self.step, self.save, self.block_size = step, save, block_size
+        self._fetch, self._check = fetch, check
+        self._owner: dict[str, RankRef] = {}
+        for ref in refs:
+            for name in ref.files:
+                if name in self._owner:
+                    raise ValueError(f"file {name!r} is given to two ranks")
+                self._owner[name] = ref
+        self._loaded: dict[int, dict[str, FileEntry]] = dict(loaded or {})
+        self._lock = threading.Lock()
+
+    def bound(self, fetch: Fetch, check: EntryCheck | None = None) -> RankFiles:
+        """The same files read through ``fetch`` (what this copy already loaded is kept
+        only when no new check must see it)."""
+        keep = self._loaded if check is None or check is self._check else None
+        return RankFiles(
+            self.refs,
+            step=self.step,
+            save=self.save,
+            block_size=self.block_size,
+            fetch=fetch,
+            check=check,
+            loaded=keep,
+        )
+
+    @property
+    def has_store(self) -> bool:
+        return self._fetch is not None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # another rank gets the names and sizes, never this process's store or what it read
+        return _unbound_rank_files, (self.refs, self.step, self.save, self.block_size)
+
+    def __getitem__(self, name: str) -> FileEntry:
+        return self.of_rank(self._owner[name].rank)[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._owner
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._owner)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RankFiles):
+            return (self.refs, self.step, self.save) == (other.refs, other.step, other.save)
+        return NotImplemented if not isinstance(other, Mapping) else dict(self) == dict(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def sizes(self) -> dict[str, int]:
+        return {name: ref.files[name] for name, ref in self._owner.items()}
+
+    def owner(self, name: str) -> RankRef:
+        return self._owner[name]
+
+    @property
+    def loaded_ranks(self) -> frozenset[int]:
+        return frozenset(self._loaded)
+
+    def of_rank(self, rank: int) -> dict[str, FileEntry]:
+        """One rank's chunk lists (fetched and checked on first use)."""
+        with self._lock:
+            got = self._loaded.get(rank)
+            if got is None:
+                got = self._load(self.refs[rank])
+                self._loaded[rank] = got
+        return got
+
+    def _load(self, ref: RankRef) -> dict[str, FileEntry]:
+        what = f"rank {ref.rank}'s manifest {ref.key}"
+        if self._fetch is None:
+            raise RuntimeError(f"{what}: this manifest is bound to no store (Manifest.bound)")
+        try:
+            data = self._fetch(ref.key)
+        except ObjectNotFound:
+            raise CorruptManifestError(self.step, what, "is missing") from None
+        try:
+            files = open_rank_manifest(
+                data, ref, step=self.step, save=self.save, block_size=self.block_size
+            )
+        except ValueError as exc:
+            raise CorruptManifestError(self.step, what, str(exc)) from None
+        if self._check is not None:
+            for name, entry in files.items():
+                self._check(name, entry)
+        return files
+
+
+def _unbound_rank_files(
+    refs: tuple[RankRef, ...], step: int, save: SaveIdentity | None, block_size: int
+) -> RankFiles:
+    return RankFiles(refs, step=step, save=save, block_size=block_size)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Manifest:
     step: int
@@ -208,7 +466,7 @@ class Manifest:
     since_full: int  # checkpoints since the last full one (0 for a full one)
     world_size: int
     block_size: int
-    files: dict[str, FileEntry]
+    files: Mapping[str, FileEntry]  # a RankFiles (version 3), or every chunk list inline
     logical_bytes: int
     uploaded_bytes: int
     deduplicated_bytes: int
@@ -217,8 +475,43 @@ class Manifest:
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     save: SaveIdentity | None = None  # which save committed it (None: a version 1 manifest)
 
+    @property
+    def version(self) -> int:
+        """The layout it is written in: 3 (rank manifests), 2 (inline), 1 (no identity)."""
+        if isinstance(self.files, RankFiles):
+            return FORMAT_VERSION
+        return INLINE_VERSION if self.save else 1
+
+    @property
+    def ranks(self) -> tuple[RankRef, ...]:
+        """Its rank manifests (version 3; empty for an inline manifest)."""
+        return self.files.refs if isinstance(self.files, RankFiles) else ()
+
+    def rank_files(self, rank: int) -> dict[str, FileEntry]:
+        """One rank's chunk lists: a version 3 manifest reads that rank's manifest alone (an
+        inline one records no owner per file: every file)."""
+        if isinstance(self.files, RankFiles):
+            return self.files.of_rank(rank)
+        return dict(self.files)
+
+    def rank_keys(self) -> set[str]:
+        return {r.key for r in self.ranks}
+
+    def file_sizes(self) -> dict[str, int]:
+        """Every file's size, without reading any rank manifest."""
+        if isinstance(self.files, RankFiles):
+            return self.files.sizes()
+        return {name: f.size for name, f in self.files.items()}
+
+    def bound(self, fetch: Fetch, check: EntryCheck | None = None) -> Manifest:
+        """This manifest reading its rank manifests through ``fetch`` (a no-op inline)."""
+        if not isinstance(self.files, RankFiles):
+            return self
+        return dataclasses.replace(self, files=self.files.bound(fetch, check))
+
     def chunks(self) -> dict[str, ChunkRef]:
-        """Every chunk it names, by stored object key (id and codec)."""
+        """Every chunk it names, by stored object key (id and codec). Reads every rank
+        manifest of a version 3 manifest: for gc and verify, not for a load."""
         return {c.key: c for f in self.files.values() for c in f.chunks}
 
     def chunk_ids(self) -> set[str]:
@@ -228,9 +521,11 @@ class Manifest:
         return {c.key for f in self.files.values() for c in f.chunks}
 
     def to_bytes(self) -> bytes:
-        body = {
+        """Version 3 when its files are a RankFiles (what a commit writes); else the inline
+        version 2 layout (every chunk list in the manifest)."""
+        body: dict[str, Any] = {
             "format": FORMAT,
-            "version": FORMAT_VERSION,
+            "version": FORMAT_VERSION if isinstance(self.files, RankFiles) else INLINE_VERSION,
             "step": self.step,
             "mode": self.mode,
             "parent_step": self.parent_step,
@@ -245,12 +540,19 @@ class Manifest:
             "timings": self.timings,
             "versions": self.versions,
             "save": self.save.to_json() if self.save else None,
-            "files": {name: f.to_json() for name, f in sorted(self.files.items())},
         }
+        if isinstance(self.files, RankFiles):
+            body["ranks"] = [r.to_json() for r in self.files.refs]
+        else:
+            body["files"] = {name: f.to_json() for name, f in sorted(self.files.items())}
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Manifest:
+    def from_bytes(
+        cls, data: bytes, *, fetch: Fetch | None = None, check: EntryCheck | None = None
+    ) -> Manifest:
+        """Parse a manifest of any version. A version 3 one reads its rank manifests through
+        ``fetch`` when they are needed (``check`` sees each chunk list it loads)."""
         raw = json.loads(data)
         if raw.get("format") != FORMAT:
             raise ValueError("not a ctj checkpoint manifest")
@@ -259,37 +561,85 @@ class Manifest:
                 f"manifest format version {raw['version']} is newer than this ctj "
                 f"understands ({FORMAT_VERSION}): upgrade ctj"
             )
+        step, block_size = int(raw["step"]), int(raw["block_size"])
+        world_size = int(raw["world_size"])
+        save = SaveIdentity.from_json(raw["save"]) if raw.get("save") else None
+        files: Mapping[str, FileEntry]
+        if "ranks" in raw:
+            refs = tuple(RankRef.from_json(r) for r in raw["ranks"])
+            if [r.rank for r in refs] != list(range(world_size)):
+                raise ValueError(f"its ranks are not exactly 0..{world_size - 1}")
+            if save is None:
+                raise ValueError("a version 3 manifest names no save")
+            files = RankFiles(
+                refs, step=step, save=save, block_size=block_size, fetch=fetch, check=check
+            )
+        else:
+            files = {k: FileEntry.from_json(v) for k, v in raw["files"].items()}
         return cls(
-            step=int(raw["step"]),
+            step=step,
             mode=str(raw["mode"]),
             parent_step=raw["parent_step"],
             base_step=int(raw["base_step"]),
             since_full=int(raw["since_full"]),
-            world_size=int(raw["world_size"]),
-            block_size=int(raw["block_size"]),
-            files={k: FileEntry.from_json(v) for k, v in raw["files"].items()},
+            world_size=world_size,
+            block_size=block_size,
+            files=files,
             logical_bytes=int(raw["logical_bytes"]),
             uploaded_bytes=int(raw["uploaded_bytes"]),
             deduplicated_bytes=int(raw["deduplicated_bytes"]),
             created=float(raw["created"]),
             timings={k: float(v) for k, v in raw.get("timings", {}).items()},
             versions={k: str(v) for k, v in raw.get("versions", {}).items()},
-            save=SaveIdentity.from_json(raw["save"]) if raw.get("save") else None,
+            save=save,
         )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RankPart:
-    """What one rank uploaded for one save, written before the commit."""
+    """What one rank stored for one save, written before the commit: in version 3 a pointer
+    to its rank manifest with its files' sizes and totals (the commit reads only these)."""
 
     step: int
     rank: int
     save: SaveIdentity
     world_size: int  # of the save it belongs to
-    files: dict[str, FileEntry]
+    manifest: str  # the digest of its rank manifest ("" for a version 2 part)
+    sizes: dict[str, int]  # file name -> size
     uploaded_bytes: int
     deduplicated_bytes: int
     upload_seconds: float
+    inline: dict[str, FileEntry] | None = None  # a version 2 part's chunk lists
+
+    @classmethod
+    def of(
+        cls,
+        rank_manifest: RankManifest,
+        data: bytes,
+        *,
+        world_size: int,
+        uploaded_bytes: int,
+        deduplicated_bytes: int,
+        upload_seconds: float,
+    ) -> RankPart:
+        """The part naming ``rank_manifest`` (``data``: its bytes as stored)."""
+        return cls(
+            step=rank_manifest.step,
+            rank=rank_manifest.rank,
+            save=rank_manifest.save,
+            world_size=world_size,
+            manifest=rank_digest(data),
+            sizes={n: f.size for n, f in rank_manifest.files.items()},
+            uploaded_bytes=uploaded_bytes,
+            deduplicated_bytes=deduplicated_bytes,
+            upload_seconds=upload_seconds,
+        )
+
+    def share(self) -> RankRef:
+        """What the manifest says of this rank (version 3 parts only)."""
+        return RankRef(
+            self.rank, self.manifest, dict(self.sizes), self.uploaded_bytes, self.deduplicated_bytes
+        )
 
     def to_bytes(self) -> bytes:
         return json.dumps(
@@ -298,7 +648,8 @@ class RankPart:
                 "rank": self.rank,
                 "save": self.save.to_json(),
                 "world_size": self.world_size,
-                "files": {n: f.to_json() for n, f in self.files.items()},
+                "manifest": self.manifest,
+                "files": self.sizes,
                 "uploaded_bytes": self.uploaded_bytes,
                 "deduplicated_bytes": self.deduplicated_bytes,
                 "upload_seconds": self.upload_seconds,
@@ -309,13 +660,21 @@ class RankPart:
     @classmethod
     def from_bytes(cls, data: bytes) -> RankPart:
         raw = json.loads(data)
+        inline = None
+        if "manifest" in raw:
+            sizes = {str(k): int(v) for k, v in raw["files"].items()}
+        else:  # version 2: the chunk lists themselves
+            inline = {str(k): FileEntry.from_json(v) for k, v in raw["files"].items()}
+            sizes = {k: f.size for k, f in inline.items()}
         return cls(
             step=int(raw["step"]),
             rank=int(raw["rank"]),
             save=SaveIdentity.from_json(raw["save"]),
             world_size=int(raw["world_size"]),
-            files={k: FileEntry.from_json(v) for k, v in raw["files"].items()},
+            manifest=str(raw.get("manifest", "")),
+            sizes=sizes,
             uploaded_bytes=int(raw["uploaded_bytes"]),
             deduplicated_bytes=int(raw["deduplicated_bytes"]),
             upload_seconds=float(raw["upload_seconds"]),
+            inline=inline,
         )

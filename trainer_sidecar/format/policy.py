@@ -71,6 +71,25 @@ def plan_save(
     )
 
 
+def reference_ranks(rank: int, world_size: int, reference_world_size: int) -> range:
+    """The reference checkpoint's ranks whose chunks a saving rank deduplicates against.
+
+    At an unchanged world size, its own: a rank saves what it saved last time (DCP plans
+    the same layout), so its own chunk lists are all it can reuse. At another world size
+    (the first save after a resize), the old ranks at its position in rank order (rank r
+    of W covers [r/W, (r+1)/W)): where DCP's even sharding put the rows it now holds, so
+    the chunks most likely to recur (1024 -> 512: old ranks 2r and 2r+1; 1024 -> 2048: old
+    rank r // 2). Reading every old rank instead would cost each rank the whole job's
+    chunk lists for one save's worth of deduplication; missing a match costs bytes
+    uploaded once, never correctness.
+    """
+    if reference_world_size == world_size:
+        return range(rank, rank + 1)
+    low = rank * reference_world_size // world_size
+    high = -(-(rank + 1) * reference_world_size // world_size)
+    return range(min(low, reference_world_size - 1), min(max(high, low + 1), reference_world_size))
+
+
 def plan_retention(manifests: Sequence[Committed], keep_last: int) -> list[int]:
     """Steps to delete so the last ``keep_last`` remain, with every base a kept one names."""
     if keep_last <= 0:

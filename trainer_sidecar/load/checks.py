@@ -10,6 +10,7 @@ file written outside an export directory.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import NoCheckpointError, ObjectNotFound, UnsafeCheckpointError
-from ..format.manifest import Codec, Manifest, manifest_key
+from ..format.manifest import Codec, FileEntry, Manifest, RankFiles, manifest_key
 from ..store.base import ObjectStore
 
 _CHUNK_ID = re.compile(r"[0-9a-f]{64}")
@@ -50,7 +51,11 @@ def check_file_name(name: object, *, step: int) -> str:
 def read_manifest(store: ObjectStore, step: int) -> Manifest:
     """A committed manifest, parsed and checked (check_manifest). Raises NoCheckpointError
     when it is gone, UnsafeCheckpointError when it is unreadable or malformed, and the
-    store's own errors (unreachable, credentials) as they are."""
+    store's own errors (unreachable, credentials) as they are.
+
+    A version 3 manifest's rank manifests are read later, each only when a file of its
+    rank is first needed, and checked then (hash, parse, then as here): a bad one makes
+    that read raise a CorruptCheckpointError, which restore skips like a corrupt chunk."""
     try:
         data = store.get(manifest_key(step))
     except ObjectNotFound:
@@ -61,29 +66,50 @@ def read_manifest(store: ObjectStore, step: int) -> Manifest:
         raise UnsafeCheckpointError(step, "its manifest", f"is unreadable ({exc})") from None
     if manifest.step != step:
         raise UnsafeCheckpointError(step, "its manifest", f"says step {manifest.step}")
-    check_manifest(manifest)
-    return manifest
+    check_manifest(manifest, entries=not manifest.ranks)
+    return bind(store, manifest)
 
 
-def check_manifest(manifest: Manifest) -> None:
+def bind(store: ObjectStore, manifest: Manifest) -> Manifest:
+    """``manifest`` reading its rank manifests from ``store``, each checked as it loads
+    (for a copy another rank sent: what travels carries no store). One already reading
+    from a store is returned as it is, with what it has loaded."""
+    if not isinstance(manifest.files, RankFiles) or manifest.files.has_store:
+        return manifest
+    return manifest.bound(
+        store.get, functools.partial(check_entry, step=manifest.step, bs=manifest.block_size)
+    )
+
+
+def check_manifest(manifest: Manifest, *, entries: bool = True) -> None:
     """Raise UnsafeCheckpointError unless every file is a plain name whose chunks add up
-    to its size, each chunk a BLAKE3 id with one digest per block."""
+    to its size, each chunk a BLAKE3 id with one digest per block. ``entries=False``
+    checks the names alone (a version 3 manifest: its chunk lists are checked as they
+    load); with entries, a version 3 manifest reads every rank manifest."""
     step, bs = manifest.step, manifest.block_size
     if bs <= 0 or bs & (bs - 1):
         raise UnsafeCheckpointError(step, "the manifest", f"has block size {bs}")
-    for name, entry in manifest.files.items():
+    for name in manifest.files:
         check_file_name(name, step=step)
-        if sum(c.size for c in entry.chunks) != entry.size:
-            raise UnsafeCheckpointError(step, f"file {name}", "has chunks that do not add up")
-        for c in entry.chunks:
-            if (
-                not _CHUNK_ID.fullmatch(c.id)
-                or c.codec not in tuple(Codec)
-                or c.size < 0
-                or len(c.blocks) != max(1, -(-c.size // bs))
-                or not all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in c.blocks)
-            ):
-                raise UnsafeCheckpointError(step, f"file {name}", f"has a malformed chunk {c.id!r}")
+    if entries:
+        for name, entry in manifest.files.items():
+            check_entry(name, entry, step=step, bs=bs)
+
+
+def check_entry(name: str, entry: FileEntry, *, step: int, bs: int) -> None:
+    """One file's chunk list: a plain name, chunks that add up, ids and digests well-formed."""
+    check_file_name(name, step=step)
+    if sum(c.size for c in entry.chunks) != entry.size:
+        raise UnsafeCheckpointError(step, f"file {name}", "has chunks that do not add up")
+    for c in entry.chunks:
+        if (
+            not _CHUNK_ID.fullmatch(c.id)
+            or c.codec not in tuple(Codec)
+            or c.size < 0
+            or len(c.blocks) != max(1, -(-c.size // bs))
+            or not all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in c.blocks)
+        ):
+            raise UnsafeCheckpointError(step, f"file {name}", f"has a malformed chunk {c.id!r}")
 
 
 def _ints(value: object, n: int | None = None) -> bool:

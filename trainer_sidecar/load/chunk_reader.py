@@ -13,7 +13,7 @@ import bisect
 import concurrent.futures as cf
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import zstandard
 
@@ -58,6 +58,19 @@ class FileIndex:
         return out
 
 
+class _Indexes(dict[str, FileIndex]):
+    """Each file's FileIndex, built when a read first touches it: a version 3 manifest then
+    fetches only the rank manifests of the files read."""
+
+    def __init__(self, files: Mapping[str, FileEntry]) -> None:
+        super().__init__()
+        self.files = files
+
+    def __missing__(self, name: str) -> FileIndex:
+        index = self[name] = FileIndex(self.files[name])
+        return index
+
+
 class ChunkReader:
     def __init__(
         self,
@@ -71,7 +84,7 @@ class ChunkReader:
         self.manifest = manifest
         self.parallelism = parallelism
         self.tiers = tiers
-        self.indexes = {name: FileIndex(f) for name, f in manifest.files.items()}
+        self.indexes = _Indexes(manifest.files)
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
 

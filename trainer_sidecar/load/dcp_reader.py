@@ -83,7 +83,7 @@ def read_checked_metadata(reader: ChunkReader) -> Metadata:
     if METADATA_FILE not in manifest.files:
         raise UnsafeCheckpointError(manifest.step, METADATA_FILE, "is missing from the manifest")
     metadata = load_metadata(reader.read_file(METADATA_FILE), step=manifest.step)
-    sizes = {name: f.size for name, f in manifest.files.items() if name != METADATA_FILE}
+    sizes = {n: size for n, size in manifest.file_sizes().items() if n != METADATA_FILE}
     check_metadata(metadata, step=manifest.step, file_sizes=sizes)
     return metadata
 

@@ -1,6 +1,7 @@
 """Restore: load the newest usable committed checkpoint into the caller's state, in place.
 
-For each candidate, newest first, rank 0 alone reads its manifest and its DCP
+For each candidate, newest first, rank 0 alone reads its manifest (version 3: the
+small top-level one, then rank 0's rank manifest, which holds ``.metadata``) and its DCP
 ``.metadata`` (unpickled by the allow-list, checked against the manifest) and
 hands every rank the parsed result, so all ranks load the same checkpoint or
 skip it together. DCP's planner then decides what each rank needs (resharding
@@ -38,7 +39,7 @@ from ..metrics import CheckpointMetrics
 from ..state_dict import build_state
 from ..store import repository
 from ..store.base import ObjectStore
-from .checks import read_manifest
+from .checks import bind, read_manifest
 from .chunk_reader import ChunkReader
 from .dcp_reader import ChunkedStorageReader, read_checked_metadata
 from .planner import SafeLoadPlanner, StateMismatch
@@ -183,7 +184,10 @@ def restore(
             skip(candidate, opened.reason)
             continue
         state = build_state(model, optimizer, extra)  # afresh: a failed try may have filled some
-        reader = ChunkReader(store, opened.manifest, parallelism=settings.parallelism, tiers=tiers)
+        # only the rank manifests of the files this rank's plan touches are read (version 3)
+        reader = ChunkReader(
+            store, bind(store, opened.manifest), parallelism=settings.parallelism, tiers=tiers
+        )
         planner = SafeLoadPlanner(
             step=candidate, trust_pickled_values=settings.trust_pickled_values
         )

@@ -33,9 +33,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..config import CheckpointConfig
-from ..errors import CheckpointError, NoCheckpointError, SaveFailed, UploadAborted
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    SaveFailed,
+    UploadAborted,
+)
 from ..format.manifest import ChunkRef, Manifest, SaveIdentity
-from ..format.policy import Committed
+from ..format.policy import Committed, reference_ranks
 from ..metrics import CheckpointMetrics
 from ..store import commit as commits
 from ..store import repository
@@ -81,7 +87,8 @@ class Persister:
         self.deadline: float | None = None  # monotonic; set by shutdown
         self.wake = threading.Event()
         self.started_at = time.time()
-        self._reference_cache: tuple[int, dict[str, ChunkRef]] | None = None
+        self._reference_cache: tuple[tuple[int, int, int], dict[str, ChunkRef]] | None = None
+        self._reference_read: Manifest | None = None
         self._watchers: dict[Watched, cf.Future[Manifest | None]] = {}
         self._lock = threading.Lock()
         self._latest: Manifest | None = None
@@ -138,19 +145,40 @@ class Persister:
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
-    def _reference_chunks(self, step: int | None) -> dict[str, ChunkRef]:
+    def _reference_chunks(self, staged: slots.StagedCheckpoint) -> dict[str, ChunkRef]:
+        """What this rank's upload need not send: the reference checkpoint's chunks of the
+        ranks ``reference_ranks`` picks (version 3: only those ranks' rank manifests are
+        read; versions 1 and 2 hold every chunk list inline, so all of it)."""
+        step = staged.plan.reference_step
         if step is None:
             return {}
-        if self._reference_cache and self._reference_cache[0] == step:
+        key = (step, staged.rank, staged.world_size)
+        if self._reference_cache and self._reference_cache[0] == key:
             return self._reference_cache[1]
         try:
-            manifest = repository.read_manifest(self.store, step, retired_too=True)
-            chunks = {c.id: c for f in manifest.files.values() for c in f.chunks}
+            manifest = self._reference_manifest(step)
+            ranks = (
+                reference_ranks(staged.rank, staged.world_size, manifest.world_size)
+                if manifest.ranks
+                else range(1)  # versions 1 and 2: every chunk list is inline, one read
+            )
+            files = [entry for r in ranks for entry in manifest.rank_files(r).values()]
+            chunks = {c.id: c for f in files for c in f.chunks}
         except NoCheckpointError:
             log.warning("reference checkpoint %d is gone: uploading every chunk", step)
             chunks = {}
-        self._reference_cache = (step, chunks)
+        except CorruptCheckpointError as exc:  # uploading more is never wrong
+            log.warning("reference checkpoint %d: %s; uploading every chunk", step, exc)
+            chunks = {}
+        self._reference_cache = (key, chunks)
         return chunks
+
+    def _reference_manifest(self, step: int) -> Manifest:
+        """The reference's manifest, read once per reference (a sidecar serving several
+        ranks reads it once for all of them, and each rank manifest once)."""
+        if self._reference_read is None or self._reference_read.step != step:
+            self._reference_read = repository.read_manifest(self.store, step, retired_too=True)
+        return self._reference_read
 
     def upload(self, slot: Path, staged: slots.StagedCheckpoint) -> None:
         """Upload one rank's staged checkpoint and store its part."""
@@ -164,7 +192,7 @@ class Persister:
             save=staged.save,
             world_size=staged.world_size,
             files=files,
-            reference=self._reference_chunks(staged.plan.reference_step),
+            reference=self._reference_chunks(staged),
             settings=self.settings,
             should_stop=self._past_deadline,
             cache=self.cache,

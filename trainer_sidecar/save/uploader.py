@@ -1,5 +1,9 @@
 """Upload one rank's staged files: chunk, hash, deduplicate, store, report the part.
 
+Last come this rank's rank manifest (its chunk lists, at the hash of its bytes) and
+then its part (a small pointer to it): a part in the store means its rank manifest
+and every chunk it names are there.
+
 Memory stays bounded: the staged file is memory-mapped, and at most
 ``parallelism * 2`` chunks are in flight (hashing, compressing or uploading)
 at once. Chunks already in the reference checkpoint, or already sent by this
@@ -28,7 +32,15 @@ import zstandard
 
 from ..errors import UploadAborted
 from ..format import chunking
-from ..format.manifest import ChunkRef, Codec, FileEntry, RankPart, SaveIdentity
+from ..format.manifest import (
+    ChunkRef,
+    Codec,
+    FileEntry,
+    RankManifest,
+    RankPart,
+    SaveIdentity,
+    rank_manifest_key,
+)
 from ..store.base import ObjectStore
 from ..store.chunk_cache import ChunkCache
 from ..store.commit import store_part
@@ -158,18 +170,21 @@ def upload_rank(
                     pool, spans, functools.partial(one_chunk, view), limit=settings.parallelism * 2
                 )
                 entries[staged.name] = FileEntry(len(view), tuple(refs))
-    part = RankPart(
-        step=step,
-        rank=rank,
-        save=save,
+    rank_manifest = RankManifest(
+        step=step, rank=rank, save=save, block_size=settings.block_size, files=entries
+    )
+    body = rank_manifest.to_bytes()
+    part = RankPart.of(
+        rank_manifest,
+        body,
         world_size=world_size,
-        files=entries,
         uploaded_bytes=uploaded,
         deduplicated_bytes=deduplicated,
         upload_seconds=time.monotonic() - started,
     )
     if should_stop is not None and should_stop():
         raise UploadAborted(f"upload of step {step} (rank {rank}) stopped before its part")
+    store.put(rank_manifest_key(part.manifest), body)  # content-addressed: a retry rewrites it
     store_part(store, part)
     return part
 

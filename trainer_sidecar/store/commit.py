@@ -4,7 +4,9 @@ Every save has an identity (``SaveIdentity``: the attempt and a nonce rank 0
 drew). Each rank stores its part under it, ``parts/<step>/<save>/rank-<r>.json``;
 the commit reads exactly the parts of ranks 0..W-1 of *that* save, with the
 world size it planned, and writes the manifest (recording the identity) with a
-create-only PUT. Whatever a straggler of an earlier attempt, a second writer at
+create-only PUT. The parts are small (version 3: each names its rank's rank manifest,
+with file sizes and totals), so the commit reads O(W) small objects, never the chunk
+lists. Whatever a straggler of an earlier attempt, a second writer at
 the same URI, or a half-finished save left lies under another identity and
 cannot enter the commit.
 
@@ -35,15 +37,18 @@ from ..errors import (
     SaveFailed,
 )
 from ..format.manifest import (
-    FileEntry,
     Manifest,
     PartKey,
+    RankFiles,
+    RankManifest,
     RankPart,
+    RankRef,
     SaveIdentity,
     failure_key,
     manifest_key,
     part_key,
     part_prefix,
+    rank_manifest_key,
 )
 from ..format.policy import SavePlan
 from .base import ObjectStore
@@ -164,9 +169,7 @@ def commit(
     prefix = part_prefix(plan.step, plan.save)
     keys = [o.key for o in store.list(prefix) if o.key.endswith(".json")]
     parts = select_parts((RankPart.from_bytes(store.get(k)) for k in keys), plan, world_size)
-    files: dict[str, FileEntry] = {}
-    for part in parts:
-        files.update(part.files)
+    shares = [share_of(store, p, block_size) for p in parts]
     manifest = Manifest(
         step=plan.step,
         mode=plan.mode,
@@ -175,8 +178,10 @@ def commit(
         since_full=plan.since_full,
         world_size=world_size,
         block_size=block_size,
-        files=files,
-        logical_bytes=sum(f.size for f in files.values()),
+        files=RankFiles(
+            tuple(shares), step=plan.step, save=plan.save, block_size=block_size, fetch=store.get
+        ),
+        logical_bytes=sum(s.logical_bytes for s in shares),
         uploaded_bytes=sum(p.uploaded_bytes for p in parts),
         deduplicated_bytes=sum(p.deduplicated_bytes for p in parts),
         created=time.time(),
@@ -193,6 +198,26 @@ def commit(
     manifest = judge(read_manifest(store, plan.step), plan.save)
     store.delete(o.key for o in store.list(prefix))
     return manifest
+
+
+def share_of(store: ObjectStore, part: RankPart, block_size: int) -> RankRef:
+    """What the manifest says of a part's rank. A version 2 part (stored by an older ctj
+    before an upgrade) carries its chunk lists: they are written as its rank manifest."""
+    if part.inline is None:
+        return part.share()
+    body = RankManifest(
+        step=part.step, rank=part.rank, save=part.save, block_size=block_size, files=part.inline
+    ).to_bytes()
+    converted = RankPart.of(
+        RankManifest.from_bytes(body),
+        body,
+        world_size=part.world_size,
+        uploaded_bytes=part.uploaded_bytes,
+        deduplicated_bytes=part.deduplicated_bytes,
+        upload_seconds=part.upload_seconds,
+    )
+    store.put(rank_manifest_key(converted.manifest), body)
+    return converted.share()
 
 
 def outcome(store: ObjectStore, step: int, save: SaveIdentity) -> Manifest | SaveFailed | None:

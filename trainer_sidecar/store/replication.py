@@ -41,10 +41,11 @@ def neighbour_chunks(manifest: Manifest, own: int, pods: int) -> list[ChunkRef]:
     ranks = range(neighbour * per_pod, (neighbour + 1) * per_pod)
     prefixes = tuple(f"__{r}_" for r in ranks)
     chosen: dict[str, ChunkRef] = {}
-    for name, entry in sorted(manifest.files.items()):
-        theirs = name.startswith(prefixes) or (name == METADATA_FILE and neighbour == 0)
-        if theirs:
-            for chunk in entry.chunks:
+    # names first (a version 3 manifest lists them without reading any rank manifest), so
+    # only the neighbour's rank manifests are fetched
+    for name in sorted(manifest.files):
+        if name.startswith(prefixes) or (name == METADATA_FILE and neighbour == 0):
+            for chunk in manifest.files[name].chunks:
                 chosen.setdefault(chunk.id, chunk)
     return list(chosen.values())
 

@@ -4,6 +4,10 @@ Everything here is a thin adapter between the object store and the pure rules
 in policy.py. The commit (commit.py) is one create-only write of the manifest;
 nothing else makes a checkpoint visible.
 
+A version 3 manifest reads its rank manifests (each rank's chunk lists) only when
+asked: listing and retention never do; gc reads them all, since it must mark every
+chunk, and sweeps rank manifests nobody names like chunks.
+
 Removing a checkpoint (retention or ``rm``) *retires* its manifest: it moves to
 ``retired/`` and its chunks stay live for the gc grace period. A save in flight
 may have deduplicated against it a moment ago; the grace (longer than any
@@ -18,6 +22,7 @@ import time
 
 from ..errors import (
     CheckpointError,
+    CorruptCheckpointError,
     NoCheckpointError,
     ObjectNotFound,
 )
@@ -26,12 +31,14 @@ from ..format.manifest import (
     CHUNKS,
     MANIFESTS,
     PARTS,
+    RANKS,
     RETIRED,
     Manifest,
     PartKey,
     RankPart,
     SaveIdentity,
     manifest_key,
+    open_rank_manifest,
     retired_key,
     step_of_manifest_key,
 )
@@ -57,8 +64,8 @@ def read_manifest(store: ObjectStore, step: int, *, retired_too: bool = False) -
         except ObjectNotFound:
             raise NoCheckpointError(f"no committed checkpoint at step {step}") from None
     try:
-        return Manifest.from_bytes(data)
-    except (ValueError, KeyError, TypeError) as exc:
+        return Manifest.from_bytes(data, fetch=store.get)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"manifest of step {step} is unreadable: {exc}") from None
 
 
@@ -112,17 +119,42 @@ class GcReport:
     deleted_bytes: int
     deleted_parts: int
     kept_chunks: int
+    deleted_rank_manifests: int = 0
+
+
+def _named(manifest: Manifest, fix: str) -> set[str]:
+    """Every object a checkpoint needs: its chunks and (version 3) its rank manifests. One
+    whose chunks cannot all be read stops gc before it deletes anything: what it names is
+    unknown, so nothing is provably unreferenced."""
+    try:
+        return manifest.chunk_keys() | manifest.rank_keys()
+    except CorruptCheckpointError as exc:
+        raise CheckpointError(f"gc stopped, nothing deleted: {exc} ({fix})") from None
+
+
+def _named_by_part(store: ObjectStore, part: RankPart) -> set[str]:
+    """What a part possibly in flight names: its rank manifest and that one's chunks."""
+    if part.inline is not None:  # version 2: inline
+        return {c.key for f in part.inline.values() for c in f.chunks}
+    share = part.share()
+    try:
+        files = open_rank_manifest(
+            store.get(share.key), share, step=part.step, save=part.save, block_size=None
+        )
+    except (ObjectNotFound, ValueError):
+        return {share.key}  # nothing it names can be read: it cannot commit either
+    return {share.key} | {c.key for f in files.values() for c in f.chunks}
 
 
 def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False) -> GcReport:
-    """Mark every chunk a manifest, a young retired manifest or an in-flight part names;
-    sweep the rest past grace."""
+    """Mark every chunk and rank manifest that a manifest, a young retired manifest or an
+    in-flight part names; sweep the rest past grace."""
     now = store_now(store)
     referenced: set[str] = set()
     committed_saves: dict[int, SaveIdentity | None] = {}
     for step in committed_steps(store):
         manifest = read_manifest(store, step)
-        referenced |= manifest.chunk_keys()
+        referenced |= _named(manifest, f"`ctj checkpoints rm {step}` removes it")
         committed_saves[step] = manifest.save
     old_retired = []
     for obj in store.list(RETIRED):
@@ -130,9 +162,10 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
             old_retired.append(obj.key)
             continue
         try:
-            referenced |= Manifest.from_bytes(store.get(obj.key)).chunk_keys()
+            retired = Manifest.from_bytes(store.get(obj.key), fetch=store.get)
         except ObjectNotFound:
             continue
+        referenced |= _named(retired, "it leaves after the grace")
     part_objects = list(store.list(PARTS))
     stale_parts = []
     for obj in part_objects:
@@ -151,18 +184,22 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
             part = RankPart.from_bytes(store.get(obj.key))
         except (ObjectNotFound, ValueError, KeyError, TypeError):
             continue
-        referenced |= {c.key for f in part.files.values() for c in f.chunks}
+        referenced |= _named_by_part(store, part)
     chunks = list(store.list(CHUNKS))
     doomed = set(policy.plan_gc(chunks, referenced, now=now, grace_s=grace_s))
+    # rank manifests of saves that never committed go like chunks: unnamed and past the grace
+    doomed_ranks = policy.plan_gc(store.list(RANKS), referenced, now=now, grace_s=grace_s)
     if not dry_run:
         store.delete(sorted(doomed))
         store.delete(stale_parts)
+        store.delete(doomed_ranks)
         store.delete(old_retired)
     return GcReport(
         deleted_chunks=len(doomed),
         deleted_bytes=sum(o.size for o in chunks if o.key in doomed),
         deleted_parts=len(stale_parts),
         kept_chunks=len(chunks) - len(doomed),
+        deleted_rank_manifests=len(doomed_ranks),
     )
 
 
