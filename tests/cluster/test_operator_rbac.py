@@ -12,7 +12,9 @@ from ctj_devcluster.kubeflow import install_crd as install_pytorchjob_crd
 
 from tests.cluster.operator_env import (
     FAST_TRAINING,
+    NODE_CACHE,
     OperatorProcess,
+    core,
     create_job,
     job_manifest,
     kubeflow_build,
@@ -37,6 +39,7 @@ ALLOWED = [
     ("create", "pods", ""),
     ("delete", "pods", ""),
     ("create", "services", ""),
+    ("create", "secrets", ""),  # a job's peer-cache token; never read back
     ("list", "nodes", ""),
     ("watch", "nodes", ""),
     ("watch", "leases.coordination.k8s.io", ""),  # heartbeats, kubelets, the leader
@@ -60,7 +63,6 @@ DENIED = [
     ("get", "secrets", ""),  # the last checkpoint comes from the job, not from S3
     ("list", "secrets", ""),
     ("delete", "secrets", ""),
-    ("create", "secrets", ""),
     ("create", "nodes", ""),
     ("patch", "nodes", ""),
     ("delete", "services", ""),  # the garbage collector removes them
@@ -119,7 +121,10 @@ def test_the_operator_runs_a_job_with_only_its_service_account(
     kubeconfig = op_cluster.service_account_kubeconfig(
         "ctj-system", "ctj-operator", tmp_path / "ctj-operator.kubeconfig"
     )
-    operator = OperatorProcess(op_cluster, tmp_path / "operator.log", kubeconfig)
+    # with the node cache on (as the chart has it): its token Secret is made under these rules
+    operator = OperatorProcess(
+        op_cluster, tmp_path / "operator.log", kubeconfig, ("--node-cache-path", NODE_CACHE)
+    )
     operator.start()
     try:
         ns, name = job_namespace, "least"
@@ -135,6 +140,7 @@ def test_the_operator_runs_a_job_with_only_its_service_account(
             60,
         )
         assert last["step"] >= 10
+        assert core(op_cluster).read_namespaced_secret(f"{name}-ctj-cache", ns).data["token"]
         log = operator.log.read_text()
         assert "Forbidden" not in log and "403" not in log, log[-3000:]
     finally:
