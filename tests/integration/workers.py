@@ -30,15 +30,31 @@ class Net(torch.nn.Module):
         return self.fc2(torch.relu(self.norm(self.fc1(x))))
 
 
+class WideNet(Net):
+    """Net with a wider layer (301 uneven rows of fp32, cut into several chunks at small
+    chunk sizes) and a bf16 buffer (replicated): byte-plane codecs get whole-tensor chunks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = torch.nn.Linear(64, 301)
+        self.register_buffer("table", torch.randn(5003, 4).to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extra = self.wide(torch.cat([x] * 4, dim=1)).mean(dim=1, keepdim=True)
+        return super().forward(x) + extra * self.table[0, 0].float()
+
+
 def build(kind: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """kind: "fsdp" (FSDP2, sharded), "ddp" (replicated), "wide" (WideNet, FSDP2), or plain."""
     torch.manual_seed(seed)
-    model: torch.nn.Module = Net()
-    if kind == "fsdp":
+    model: torch.nn.Module = WideNet() if kind == "wide" else Net()
+    if kind in ("fsdp", "wide"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in (model.fc1, model.fc2):
+        layers = [model.fc1, model.fc2] + ([model.wide] if kind == "wide" else [])
+        for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     elif kind == "ddp":

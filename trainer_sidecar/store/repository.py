@@ -27,6 +27,7 @@ from ..format.manifest import (
     MANIFESTS,
     PARTS,
     RETIRED,
+    FileEntry,
     Manifest,
     PartKey,
     RankPart,
@@ -122,7 +123,7 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
     committed_saves: dict[int, SaveIdentity | None] = {}
     for step in committed_steps(store):
         manifest = read_manifest(store, step)
-        referenced |= manifest.chunk_keys()
+        referenced |= _chunk_keys(manifest.files, f"step {step}")
         committed_saves[step] = manifest.save
     old_retired = []
     for obj in store.list(RETIRED):
@@ -130,9 +131,10 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
             old_retired.append(obj.key)
             continue
         try:
-            referenced |= Manifest.from_bytes(store.get(obj.key)).chunk_keys()
+            retired = Manifest.from_bytes(store.get(obj.key))
         except ObjectNotFound:
             continue
+        referenced |= _chunk_keys(retired.files, obj.key)
     part_objects = list(store.list(PARTS))
     stale_parts = []
     for obj in part_objects:
@@ -151,7 +153,7 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
             part = RankPart.from_bytes(store.get(obj.key))
         except (ObjectNotFound, ValueError, KeyError, TypeError):
             continue
-        referenced |= {c.key for f in part.files.values() for c in f.chunks}
+        referenced |= _chunk_keys(part.files, obj.key)
     chunks = list(store.list(CHUNKS))
     doomed = set(policy.plan_gc(chunks, referenced, now=now, grace_s=grace_s))
     if not dry_run:
@@ -164,6 +166,18 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
         deleted_parts=len(stale_parts),
         kept_chunks=len(chunks) - len(doomed),
     )
+
+
+def _chunk_keys(files: dict[str, FileEntry], where: str) -> set[str]:
+    """The stored objects a record names; a codec this ctj does not know stops gc (it
+    cannot name that object, and must not delete it for want of a name)."""
+    try:
+        return {c.key for f in files.values() for c in f.chunks}
+    except ValueError as exc:
+        raise CheckpointError(
+            f"gc stopped, nothing deleted: {where} names a chunk codec this ctj does not "
+            f"know ({exc}); upgrade ctj"
+        ) from None
 
 
 def remove(store: ObjectStore, steps: list[int]) -> None:
