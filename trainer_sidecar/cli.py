@@ -116,6 +116,19 @@ def cmd_show(args: argparse.Namespace) -> int:
         f"deduplicated {_size(m.deduplicated_bytes)}"
     )
     print(f"timings: {', '.join(f'{k} {v:.3f}s' for k, v in sorted(m.timings.items()))}")
+    # by codec, each stored object once (a chunk named twice is stored once)
+    codecs: dict[str, list[int]] = {}
+    for c in {(c.id, c.codec): c for f in m.files.values() for c in f.chunks}.values():
+        count = codecs.setdefault(c.codec, [0, 0, 0])
+        count[0], count[1], count[2] = count[0] + 1, count[1] + c.size, count[2] + c.stored_size
+    print(
+        "stored: "
+        + ", ".join(
+            f"{codec} {n} chunks {_size(raw)} as {_size(stored)}"
+            + (f" ({raw / stored:.2f}x)" if stored and codec != "none" else "")
+            for codec, (n, raw, stored) in sorted(codecs.items())
+        )
+    )
     if m.ranks:  # version 3: what the manifest itself says; the chunk lists stay unread
         print(f"format version 3: {len(m.ranks)} rank manifests (ranks/)")
         for ref in m.ranks:
@@ -123,7 +136,8 @@ def cmd_show(args: argparse.Namespace) -> int:
                 print(f"  {name:<20} {_size(size):>10}  rank {ref.rank}  {ref.key}")
         return 0
     for name, f in sorted(m.files.items()):
-        print(f"  {name:<20} {_size(f.size):>10}  {len(f.chunks)} chunks")
+        stored = sum(c.stored_size for c in f.chunks)
+        print(f"  {name:<20} {_size(f.size):>10}  {len(f.chunks)} chunks, {_size(stored)} stored")
     return 0
 
 

@@ -18,7 +18,8 @@ from typing import Any
 
 from .errors import CheckpointError
 from .format.chunking import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_SIZE, MIB
-from .format.manifest import Codec, Mode
+from .format.codecs import Compression
+from .format.manifest import Mode
 from .store.base import Location
 
 _ATTEMPT = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -87,8 +88,10 @@ class CheckpointConfig:
     """Largest chunk (bytes); a multiple of block_size, at most 64 MiB."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """Unit of verification and of ranged reads (bytes)."""
-    compression: Codec = Codec.NONE
-    """none | zstd (compressed chunks are read whole)."""
+    compression: Compression = Compression.NONE
+    """none | zstd | auto: auto stores each chunk of one fp32 / bf16 / fp16 tensor as
+    zstd-compressed byte planes, every other chunk as zstd (docs/format.md, Codecs).
+    Compressed chunks are read whole; a chunk that would barely shrink is stored raw."""
     parallelism: int = 8
     """Concurrent chunk transfers per rank."""
     gc_grace_s: float = 3600.0
@@ -144,7 +147,7 @@ class CheckpointConfig:
 
         # enums accept their values as strings (from the environment, from YAML)
         object.__setattr__(self, "mode", _enum("mode", Mode, self.mode))
-        object.__setattr__(self, "compression", _enum("compression", Codec, self.compression))
+        object.__setattr__(self, "compression", _enum("compression", Compression, self.compression))
         object.__setattr__(self, "busy_policy", _enum("busy_policy", BusyPolicy, self.busy_policy))
         if self.full_every < 1:
             raise bad("full_every", f"is {self.full_every}: use 1 or more")

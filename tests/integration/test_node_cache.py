@@ -83,7 +83,7 @@ def _args(s3_uri: str, tmp_path: Path, nodes: Nodes, placement: list[int]) -> di
     peers = [[nodes.address(n) for n in placement if n != own and n in nodes.servers]
              for own in placement]  # fmt: skip
     return {
-        "kind": "fsdp",
+        "kind": "big",
         "uri": s3_uri,
         "step": STEP,
         "ref": str(tmp_path / "ref.pt"),

@@ -32,6 +32,20 @@ class Net(torch.nn.Module):
 
 
 class WideNet(Net):
+    """Net with a wider layer (301 uneven rows of fp32, cut into several chunks at small
+    chunk sizes) and a bf16 buffer (replicated): byte-plane codecs get whole-tensor chunks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = torch.nn.Linear(64, 301)
+        self.register_buffer("table", torch.randn(5003, 4).to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extra = self.wide(torch.cat([x] * 4, dim=1)).mean(dim=1, keepdim=True)
+        return super().forward(x) + extra * self.table[0, 0].float()
+
+
+class BigNet(Net):
     """Net with a 768 KiB first layer: its shards span many 64 KiB blocks (tier tests)."""
 
     def __init__(self) -> None:
@@ -41,17 +55,19 @@ class WideNet(Net):
         self.fc2 = torch.nn.Linear(12288, 3)
 
 
-def build(
-    kind: str, seed: int, net: type[Net] = Net
-) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(kind: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """kind: "fsdp" (FSDP2, sharded), "ddp" (replicated), "wide" (WideNet, FSDP2), "big"
+    (BigNet, FSDP2), or plain."""
     torch.manual_seed(seed)
-    model: torch.nn.Module = net()
-    if kind == "fsdp":
+    nets: dict[str, type[Net]] = {"wide": WideNet, "big": BigNet}
+    model: torch.nn.Module = nets.get(kind, Net)()
+    if kind in ("fsdp", "wide", "big"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in (model.fc1, model.fc2):
+        layers = [model.fc1, model.fc2] + ([model.wide] if kind == "wide" else [])
+        for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     elif kind == "ddp":
@@ -299,7 +315,7 @@ def _node_config(args: dict[str, Any]) -> CheckpointConfig:
 
 def save_on_nodes(args: dict[str, Any]) -> None:
     """``save``, each rank on its own node: its chunks stay in that node's cache."""
-    model, opt = build(args["kind"], seed=0, net=WideNet)
+    model, opt = build(args["kind"], seed=0)
     train(model, opt, 2)
     with Checkpointer(_node_config(args)) as ckpt:
         ckpt.save(args["step"], model=model, optimizer=opt, extra={"step": args["step"], "pos": 7})
@@ -310,7 +326,7 @@ def save_on_nodes(args: dict[str, Any]) -> None:
 
 def load_on_nodes(args: dict[str, Any]) -> None:
     """``load_and_compare`` through the tiers; each rank writes its bytes by tier."""
-    model, opt = build(args["kind"], seed=123, net=WideNet)
+    model, opt = build(args["kind"], seed=123)
     extra: dict[str, Any] = {"step": -1, "pos": -1}
     result = Checkpointer(_node_config(args)).load(model=model, optimizer=opt, extra=extra)
     assert result is not None and result.step == args["step"], result

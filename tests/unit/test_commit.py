@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -236,6 +237,27 @@ def test_gc_removes_the_committed_saves_parts_at_once_and_others_after_the_grace
     store.now += 120
     repository.collect_garbage(store, grace_s=60)
     assert store.keys("parts/") == [] and store.keys("chunks/") == []
+
+
+def test_gc_stops_at_a_codec_it_does_not_know_and_deletes_nothing() -> None:
+    """A manifest (a newer ctj's) naming a codec this one cannot name a key for: gc must
+    not delete that object for want of its name, nor anything else."""
+    store = MemoryStore()
+    store_parts(store, part(A2, 0, 1))
+    manifest = do_commit(store, A2, 1)
+    chunk = manifest.files["__0_0.distcp"].chunks[0]
+    # written inline (version 2), so the codec is in the manifest itself
+    unknown = {
+        name: FileEntry(f.size, tuple(dataclasses.replace(c, codec="zstd-bp8") for c in f.chunks))
+        for name, f in manifest.files.items()
+    }
+    store.put(manifest_key(STEP), dataclasses.replace(manifest, files=unknown).to_bytes())
+    store.put(f"chunks/{chunk.id[:2]}/{chunk.id}.bp8.zst", b"data")
+    store.put("chunks/00/orphan", b"data")
+    store.now += 120
+    with pytest.raises(CheckpointError, match="gc stopped, nothing deleted: step 5 names"):
+        repository.collect_garbage(store, grace_s=60)
+    assert len(store.keys("chunks/")) == 2
 
 
 # -- the persister ----------------------------------------------------------------

@@ -30,6 +30,7 @@ DEFAULT_PACK_SIZE = 256 * 1024
 class Span:
     offset: int
     length: int
+    dtype: str = ""  # an item's element type ("float32", "bfloat16", "bytes"); "" unknown
 
     @property
     def end(self) -> int:

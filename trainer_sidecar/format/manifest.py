@@ -53,8 +53,20 @@ class Mode(enum.StrEnum):
 
 
 class Codec(enum.StrEnum):
-    NONE = "none"
-    ZSTD = "zstd"
+    """How a chunk is stored (format/codecs.py encodes and decodes; docs/format.md)."""
+
+    NONE = "none"  # chunks/<id>: the raw bytes
+    ZSTD = "zstd"  # chunks/<id>.zst: one zstd frame
+    ZSTD_BP2 = "zstd-bp2"  # chunks/<id>.bp2.zst: 2 byte planes (bf16, fp16), a frame each
+    ZSTD_BP4 = "zstd-bp4"  # chunks/<id>.bp4.zst: 4 byte planes (fp32), a frame each
+
+
+_SUFFIX = {
+    Codec.NONE: "",
+    Codec.ZSTD: ".zst",
+    Codec.ZSTD_BP2: ".bp2.zst",
+    Codec.ZSTD_BP4: ".bp4.zst",
+}
 
 
 MODES = tuple(m.value for m in Mode)
@@ -172,8 +184,9 @@ class PartKey:
 
 
 def chunk_key(chunk_id: str, codec: str) -> str:
-    suffix = ".zst" if codec == Codec.ZSTD else ""
-    return f"{CHUNKS}{chunk_id[:2]}/{chunk_id}{suffix}"
+    """Where a chunk is stored under a codec; ValueError for a codec this ctj does not know
+    (never a guessed key: gc must not mistake another object for it)."""
+    return f"{CHUNKS}{chunk_id[:2]}/{chunk_id}{_SUFFIX[Codec(codec)]}"
 
 
 def rank_file_name(rank: int, index: int = 0) -> str:
@@ -186,7 +199,7 @@ class ChunkRef:
     id: str
     size: int  # raw bytes
     stored_size: int  # bytes in the store (compressed size for zstd)
-    codec: str  # "none" | "zstd"
+    codec: str  # a Codec value
     blocks: tuple[str, ...]  # hex BLAKE3 of each block_size block of the raw bytes
 
     @property

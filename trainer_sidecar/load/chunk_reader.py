@@ -15,9 +15,8 @@ import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
 
-import zstandard
-
 from ..errors import CorruptCheckpointError, ObjectNotFound
+from ..format import codecs
 from ..format.chunking import blocks_for_range, blocks_match
 from ..format.manifest import ChunkRef, FileEntry, Manifest
 from ..store.base import ObjectStore
@@ -108,11 +107,11 @@ class ChunkReader:
         """(verified raw bytes [a, b) covering [start, end), a) read from the store."""
         bs = self.manifest.block_size
         try:
-            if chunk.codec == "zstd":
+            if not codecs.is_ranged(chunk.codec):  # compressed: read whole, decoded bounded
                 a, b = 0, chunk.size
                 raw = self.store.get(chunk.key)
                 self._count(len(raw), STORE)
-                data = zstandard.ZstdDecompressor().decompress(raw, max_output_size=chunk.size)
+                data = codecs.decode(raw, chunk.codec, size=chunk.size)
             else:
                 a, b = blocks_for_range(start, end, chunk.size, bs) if chunk.size else (0, 0)
                 whole = a == 0 and b == chunk.size
@@ -120,10 +119,8 @@ class ChunkReader:
                 self._count(len(data), STORE)
         except ObjectNotFound:
             raise CorruptCheckpointError(self.manifest.step, chunk.id, "is missing") from None
-        except zstandard.ZstdError:
-            raise CorruptCheckpointError(
-                self.manifest.step, chunk.id, "does not decompress"
-            ) from None
+        except codecs.CodecError as exc:
+            raise CorruptCheckpointError(self.manifest.step, chunk.id, str(exc)) from None
         if len(data) != b - a:
             raise CorruptCheckpointError(self.manifest.step, chunk.id, "is truncated")
         if not self._verified(chunk, data, a):
@@ -159,7 +156,7 @@ class ChunkReader:
                 chunks[chunk.id] = chunk
                 span = (
                     (0, chunk.size)
-                    if chunk.codec == "zstd" or not chunk.size
+                    if not codecs.is_ranged(chunk.codec) or not chunk.size
                     else (blocks_for_range(s, e, chunk.size, bs))
                 )
                 wanted.setdefault(chunk.id, []).append(span)

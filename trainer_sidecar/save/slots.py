@@ -48,7 +48,7 @@ class StagedCheckpoint:
     rank: int
     world_size: int
     plan: SavePlan  # rank 0's decision, the save's identity included
-    files: tuple[tuple[str, tuple[Span, ...]], ...]  # (file name in slot, item extents)
+    files: tuple[tuple[str, tuple[Span, ...]], ...]  # (file name in slot, items: extent, dtype)
     staged_at: float  # wall clock, for the end-to-end latency metric
     stage_seconds: float
 
@@ -63,7 +63,7 @@ class StagedCheckpoint:
                 "rank": self.rank,
                 "world_size": self.world_size,
                 "plan": self.plan.to_json(),
-                "files": [[n, [[s.offset, s.length] for s in items]] for n, items in self.files],
+                "files": [[n, [_item(s) for s in items]] for n, items in self.files],
                 "staged_at": self.staged_at,
                 "stage_seconds": self.stage_seconds,
             }
@@ -78,11 +78,18 @@ class StagedCheckpoint:
             world_size=int(raw["world_size"]),
             plan=SavePlan.from_json(raw["plan"]),
             files=tuple(
-                (str(n), tuple(Span(o, ln) for o, ln in items)) for n, items in raw["files"]
+                (str(n), tuple(Span(int(i[0]), int(i[1]), *map(str, i[2:3])) for i in items))
+                for n, items in raw["files"]
             ),
             staged_at=float(raw["staged_at"]),
             stage_seconds=float(raw["stage_seconds"]),
         )
+
+
+def _item(span: Span) -> list[int | str]:
+    """An item extent in ready.json: [offset, length] or [offset, length, dtype] (a slot
+    staged by a ctj that recorded no dtypes reads as unknown dtypes: plain codecs)."""
+    return [span.offset, span.length, span.dtype] if span.dtype else [span.offset, span.length]
 
 
 def prepare_root(root: Path) -> Path:

@@ -140,6 +140,12 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = Fal
 
 
 StagedFiles = list[tuple[str, tuple[Span, ...]]]  # (file name in the slot, item extents)
+BYTES = "bytes"  # the dtype recorded for a non-tensor value (DCP's byte stream)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A tensor dtype as the persister sees it (it has no torch): "float32", "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
 
 
 def file_order(items: Sequence[WriteItem]) -> tuple[tuple[WriteItem, ...], tuple[WriteItem, ...]]:
@@ -206,7 +212,7 @@ def stage_items(
             if size:
                 _copy_into(buffer[offset : offset + size], source, non_blocking=source.is_cuda)
             results.append(WriteResult(item.index, size, (name, offset, size)))
-            extents.append(Span(offset, size))
+            extents.append(Span(offset, size, dtype_name(source.dtype)))
             offset += size
     finally:  # every GPU copy landed (also on an error: none may write into a remapped slot)
         if gpus:
@@ -219,7 +225,8 @@ def stage_items(
             for blob in blobs:
                 f.write(blob)
         results += written
-        files.append((rank_file_name(rank, 1), tuple(Span(*r.storage_data[1:]) for r in written)))
+        values = tuple(Span(r.storage_data[1], r.storage_data[2], BYTES) for r in written)
+        files.append((rank_file_name(rank, 1), values))
     return results, files
 
 

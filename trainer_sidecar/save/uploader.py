@@ -11,8 +11,12 @@ upload, are not sent again.
 
 Deduplication keys on the stored object, not just the content id: a chunk the
 reference holds is named exactly as the reference stored it (its codec, its
-stored size), whatever this save's compression is, so switching zstd on or off
+stored size), whatever this save's compression is, so switching compression
 between saves or runs never names an object that does not exist.
+
+Each chunk's codec follows the ``compression`` setting and what the chunk holds
+(format/codecs.py: ``auto`` splits a chunk of one float tensor into byte planes);
+a chunk that compression would barely shrink is stored raw.
 """
 
 from __future__ import annotations
@@ -27,11 +31,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-
-import zstandard
+from typing import TypeVar
 
 from ..errors import UploadAborted
-from ..format import chunking
+from ..format import chunking, codecs
 from ..format.manifest import (
     ChunkRef,
     Codec,
@@ -46,13 +49,14 @@ from ..store.chunk_cache import ChunkCache
 from ..store.commit import store_part
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StagedFile:
     name: str  # the DCP file name within the checkpoint
     path: str
-    items: tuple[chunking.Span, ...]  # item extents in the file, for chunk alignment
+    items: tuple[chunking.Span, ...]  # item extents and dtypes: chunk alignment, codecs
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,8 +65,8 @@ class UploadSettings:
     block_size: int = chunking.DEFAULT_BLOCK_SIZE
     pack_size: int = chunking.DEFAULT_PACK_SIZE
     parallelism: int = 8
-    compression: Codec = Codec.NONE
-    zstd_level: int = 1
+    compression: codecs.Compression = codecs.Compression.NONE
+    zstd_level: int = codecs.DEFAULT_ZSTD_LEVEL
 
 
 @contextmanager
@@ -129,8 +133,9 @@ def upload_rank(
     counter_lock = threading.Lock()
     entries: dict[str, FileEntry] = {}
 
-    def one_chunk(whole: memoryview, span: chunking.Span) -> ChunkRef:
+    def one_chunk(whole: memoryview, planned: tuple[chunking.Span, Codec]) -> ChunkRef:
         nonlocal uploaded, deduplicated
+        span, codec = planned
         if should_stop is not None and should_stop():
             raise UploadAborted(f"upload of step {step} (rank {rank}) stopped")
         with whole[span.offset : span.end] as view:  # released here, so the map can close
@@ -139,7 +144,7 @@ def upload_rank(
             if mine:
                 assert isinstance(known, cf.Future)
                 try:
-                    ref = _store_chunk(store, view, cid, tuple(blocks), settings)
+                    ref = _store_chunk(store, view, cid, tuple(blocks), codec, settings)
                 except BaseException as exc:
                     known.set_exception(exc)
                     raise
@@ -166,9 +171,13 @@ def upload_rank(
                     chunk_size=settings.chunk_size,
                     pack_size=min(settings.pack_size, settings.chunk_size),
                 )
-                refs = _run_bounded(
-                    pool, spans, functools.partial(one_chunk, view), limit=settings.parallelism * 2
-                )
+                kinds = codecs.chunk_dtypes(staged.items, spans)
+                planned = [
+                    (span, codecs.choose(settings.compression, k))
+                    for span, k in zip(spans, kinds, strict=True)
+                ]
+                fn = functools.partial(one_chunk, view)
+                refs = _run_bounded(pool, planned, fn, limit=settings.parallelism * 2)
                 entries[staged.name] = FileEntry(len(view), tuple(refs))
     rank_manifest = RankManifest(
         step=step, rank=rank, save=save, block_size=settings.block_size, files=entries
@@ -194,21 +203,21 @@ def _store_chunk(
     view: memoryview,
     chunk_id: str,
     blocks: tuple[str, ...],
+    codec: Codec,
     settings: UploadSettings,
 ) -> ChunkRef:
-    """PUT one chunk under its id and this save's codec; the reference to it, sizes exact."""
-    body: bytes | memoryview = view
-    if settings.compression == Codec.ZSTD:
-        body = zstandard.ZstdCompressor(level=settings.zstd_level).compress(view)
-    ref = ChunkRef(chunk_id, len(view), len(body), Codec(settings.compression), blocks)
+    """PUT one chunk under its id and codec (raw if that codec would barely shrink it); the
+    reference to it, sizes exact."""
+    stored, body = codecs.store_form(view, codec, level=settings.zstd_level)
+    ref = ChunkRef(chunk_id, len(view), len(body), stored, blocks)
     store.put(ref.key, body)
     return ref
 
 
 def _run_bounded(
     pool: cf.ThreadPoolExecutor,
-    spans: list[chunking.Span],
-    fn: Callable[[chunking.Span], ChunkRef],
+    spans: list[T],
+    fn: Callable[[T], ChunkRef],
     *,
     limit: int,
 ) -> list[ChunkRef]:

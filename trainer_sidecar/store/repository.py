@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 
 from ..errors import (
     CheckpointError,
@@ -33,6 +34,7 @@ from ..format.manifest import (
     PARTS,
     RANKS,
     RETIRED,
+    FileEntry,
     Manifest,
     PartKey,
     RankPart,
@@ -127,7 +129,7 @@ def _named(manifest: Manifest, fix: str) -> set[str]:
     whose chunks cannot all be read stops gc before it deletes anything: what it names is
     unknown, so nothing is provably unreferenced."""
     try:
-        return manifest.chunk_keys() | manifest.rank_keys()
+        return _chunk_keys(manifest.files, f"step {manifest.step}") | manifest.rank_keys()
     except CorruptCheckpointError as exc:
         raise CheckpointError(f"gc stopped, nothing deleted: {exc} ({fix})") from None
 
@@ -135,7 +137,7 @@ def _named(manifest: Manifest, fix: str) -> set[str]:
 def _named_by_part(store: ObjectStore, part: RankPart) -> set[str]:
     """What a part possibly in flight names: its rank manifest and that one's chunks."""
     if part.inline is not None:  # version 2: inline
-        return {c.key for f in part.inline.values() for c in f.chunks}
+        return _chunk_keys(part.inline, f"a part of step {part.step}")
     share = part.share()
     try:
         files = open_rank_manifest(
@@ -143,7 +145,7 @@ def _named_by_part(store: ObjectStore, part: RankPart) -> set[str]:
         )
     except (ObjectNotFound, ValueError):
         return {share.key}  # nothing it names can be read: it cannot commit either
-    return {share.key} | {c.key for f in files.values() for c in f.chunks}
+    return {share.key} | _chunk_keys(files, f"a part of step {part.step}")
 
 
 def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False) -> GcReport:
@@ -201,6 +203,18 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
         kept_chunks=len(chunks) - len(doomed),
         deleted_rank_manifests=len(doomed_ranks),
     )
+
+
+def _chunk_keys(files: Mapping[str, FileEntry], where: str) -> set[str]:
+    """The stored objects a record names; a codec this ctj does not know stops gc (it
+    cannot name that object, and must not delete it for want of a name)."""
+    try:
+        return {c.key for f in files.values() for c in f.chunks}
+    except ValueError as exc:
+        raise CheckpointError(
+            f"gc stopped, nothing deleted: {where} names a chunk codec this ctj does not "
+            f"know ({exc}); upgrade ctj"
+        ) from None
 
 
 def remove(store: ObjectStore, steps: list[int]) -> None:
