@@ -51,9 +51,13 @@ def test_a_second_process_sees_entries_and_in_flight_writes_are_not_entries(
     ChunkCache(tmp_path, 1 << 20).keep(cid(7), b"x" * 10)
     (tmp_path / "00").mkdir(exist_ok=True)
     (tmp_path / "00" / f".{cid(8)}.123.456.tmp").write_bytes(b"partial")
+    crashed = tmp_path / "00" / f".{cid(9)}.1.2.tmp"
+    crashed.write_bytes(b"cut short")
+    os.utime(crashed, (0, 0))  # written long ago: a write a crash cut short
     other = ChunkCache(tmp_path, 1 << 20)
     assert [e.chunk_id for e in other.entries()] == [cid(7)]
     assert other.bytes_held == 10
+    assert not crashed.exists() and (tmp_path / "00" / f".{cid(8)}.123.456.tmp").exists()
 
 
 def test_a_discarded_entry_is_gone_and_kept_again_on_the_next_save(tmp_path: Path) -> None:

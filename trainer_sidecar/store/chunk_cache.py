@@ -27,12 +27,14 @@ import logging
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 _CHUNK_ID = re.compile(r"[0-9a-f]{64}")
 EVICT_TO = 0.9  # of max_bytes, so eviction runs now and then, not on every put
+STALE_TMP_S = 3600.0  # a temporary file this old is a write a crash cut short
 
 
 def valid_chunk_id(chunk_id: str) -> bool:
@@ -144,12 +146,14 @@ class ChunkCache:
 
     def entries(self) -> list[CacheEntry]:
         out = []
+        stale = time.time() - STALE_TMP_S
         for sub in _scandir(self.root):
             if not sub.is_dir(follow_symlinks=False):
                 continue
             for f in _scandir(Path(sub.path)):
                 if not valid_chunk_id(f.name):
-                    continue  # a temporary file of a write in flight
+                    _remove_if_stale(f, stale)  # a write in flight, or one a crash left
+                    continue
                 try:
                     st = f.stat(follow_symlinks=False)
                 except OSError:
@@ -168,6 +172,14 @@ def _scandir(path: Path) -> list[os.DirEntry[str]]:
             return list(it)
     except OSError:
         return []
+
+
+def _remove_if_stale(entry: os.DirEntry[str], before: float) -> None:
+    try:
+        if entry.name.endswith(".tmp") and entry.stat(follow_symlinks=False).st_mtime < before:
+            os.unlink(entry.path)
+    except OSError:
+        pass
 
 
 def _touch(fd: int) -> None:

@@ -59,6 +59,9 @@ class _CacheHandler(http.server.BaseHTTPRequestHandler):
 
     def _reply(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
         self.send_response(status)
+        if status >= 400:  # a request body may be left unread: this connection ends here
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
