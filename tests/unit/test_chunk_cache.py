@@ -75,3 +75,10 @@ def test_a_cache_that_cannot_be_written_switches_itself_off(tmp_path: Path) -> N
     cache.keep(cid(1), b"abc")  # no exception: the save goes on without the cache
     cache.keep(cid(2 << 248), b"abc")
     assert cache.entries() == []
+
+
+def test_a_cache_directory_that_cannot_be_made_is_no_cache_not_an_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    cache = ChunkCache(tmp_path / "file" / "cache", 1 << 20)
+    cache.keep(cid(1), b"abc")
+    assert cache.read(cid(1), 0, 3) is None and cache.entries() == []

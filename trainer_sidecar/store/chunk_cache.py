@@ -55,10 +55,20 @@ class ChunkCache:
             raise ValueError("a chunk cache needs max_bytes > 0")
         self.root = Path(root)
         self.max_bytes = max_bytes
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock = threading.Lock()
-        self._bytes = sum(e.size for e in self.entries())
         self._broken = False
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            self._switch_off(exc)
+        self._bytes = sum(e.size for e in self.entries())
+
+    def _switch_off(self, exc: OSError) -> None:
+        self._broken = True
+        log.warning(
+            "node-local chunk cache %s: %s; not caching in this process any more",
+            self.root, exc.strerror or type(exc).__name__,
+        )  # fmt: skip
 
     def path(self, chunk_id: str) -> Path:
         if not valid_chunk_id(chunk_id):
@@ -112,11 +122,7 @@ class ChunkCache:
                 f.write(data)
             os.replace(tmp, path)
         except OSError as exc:
-            self._broken = True
-            log.warning(
-                "node-local chunk cache %s: %s; not caching in this process any more",
-                self.root, exc.strerror or type(exc).__name__,
-            )  # fmt: skip
+            self._switch_off(exc)
             return
         with self._lock:
             self._bytes += len(data)
