@@ -44,6 +44,7 @@ ALLOWED_LABELS = {
     "job_name",
     "stage",
     "kind",
+    "tier",
     "le",
     "reason",
     "cause",
