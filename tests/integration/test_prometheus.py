@@ -21,7 +21,7 @@ from trainer_sidecar import Checkpointer
 pytestmark = pytest.mark.integration
 
 # what a sidecar's series may be labelled with: the scrape's, the PodMonitor's, its own
-ALLOWED_LABELS = {"__name__", "job", "instance", "namespace", "pod", "stage", "kind", "le"}
+ALLOWED_LABELS = {"__name__", "job", "instance", "namespace", "pod", "stage", "kind", "tier", "le"}
 
 
 def firing(prom: Prometheus) -> dict[str, dict[str, str]]:

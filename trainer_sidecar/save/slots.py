@@ -205,13 +205,28 @@ def release(slot: Path) -> None:
 def pending(root: Path, rank: int | None = None) -> list[tuple[Path, StagedCheckpoint]]:
     """Staged, not yet persisted checkpoints under root (of one rank, or all), oldest first."""
     found = []
-    ranks = "*" if rank is None else str(rank)
-    for ready in root.glob(f"rank-{ranks}/slot-*/{READY}"):
+    for ready in _ready_files(root, rank):
         try:
             found.append((ready.parent, StagedCheckpoint.from_json(ready.read_text())))
         except (FileNotFoundError, json.JSONDecodeError, KeyError, ValueError, TypeError):
             continue  # released meanwhile, or not a slot this version wrote
     return sorted(found, key=lambda p: (p[1].step, p[1].rank))
+
+
+def _ready_files(root: Path, rank: int | None) -> list[Path]:
+    """``<root>/rank-<r>/slot-*/ready.json``, tolerating directories that go meanwhile: a
+    trainer's close() removes its rank's directory while its sidecar polls (pathlib's glob
+    raises FileNotFoundError on a directory removed between listing and reading it)."""
+
+    def listing(path: Path, prefix: str) -> list[Path]:
+        try:
+            with os.scandir(path) as entries:
+                return [Path(e.path) for e in entries if e.name.startswith(prefix)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    ranks = [root / f"rank-{rank}"] if rank is not None else listing(root, "rank-")
+    return [slot / READY for r in ranks for slot in listing(r, "slot-")]
 
 
 def write_state(root: Path, committed: Committed, uri: str) -> None:
