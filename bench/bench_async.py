@@ -95,6 +95,7 @@ from bench_checkpoint import (  # noqa: E402
     max_over_ranks,
     over_ranks,
     project_env,
+    ratio_lines,
     s3_server,
     s3tc_client_config,
     timed,
@@ -722,11 +723,7 @@ def table(report: dict[str, Any]) -> str:
     if report.get("goodput_long"):
         long_every = report["config"]["long_every"]
         lines += goodput_table(report["goodput_long"], f"goodput, every {long_every} steps")
-    lines += ["", f"{'ratio':<44}{'value':>8}  target    met"]
-    for name, v in report["ratios"].items():
-        t = report["targets"].get(name)
-        mark = f"  {t['target']:<8}  {'yes' if t['met'] else 'NO'}" if t else ""
-        lines.append(f"{name:<44}{v:>8.3f}{mark}")
+    lines += ratio_lines(report, width=44)
     return "\n".join(lines)
 
 

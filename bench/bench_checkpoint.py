@@ -710,14 +710,21 @@ def table(report: dict[str, Any]) -> str:
         lines.append(
             f"{row_label(name):<44}{p['seconds']:>9.2f}{p['mb_per_s']:>9.1f}{up:>10}{down:>10}"
         )
-    lines += ["", f"{'ratio (ours / anchor)':<56}{'value':>8}  target    met"]
-    for name, v in report["ratios"].items():
-        t = report["targets"].get(name)
-        mark = f"  {t['target']:<8}  {'yes' if t['met'] else 'NO'}" if t else ""
-        lines.append(f"{name:<56}{v:>8.3f}{mark}")
+    lines += ratio_lines(report, width=56, title="ratio (ours / anchor)")
     if report.get("skipped"):
         lines += ["", report["skipped"]]
     return "\n".join(lines)
+
+
+def ratio_lines(report: dict[str, Any], *, width: int, title: str = "ratio") -> list[str]:
+    """The report's ratios, each with its target and whether it is met (where it has one),
+    as every bench script prints them."""
+    lines = ["", f"{title:<{width}}{'value':>8}  target    met"]
+    for name, v in report["ratios"].items():
+        t = report["targets"].get(name)
+        mark = f"  {t['target']:<8}  {'yes' if t['met'] else 'NO'}" if t else ""
+        lines.append(f"{name:<{width}}{v:>8.3f}{mark}")
+    return lines
 
 
 def project_env(endpoint: str) -> dict[str, str]:

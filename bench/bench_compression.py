@@ -694,11 +694,7 @@ def table(report: dict[str, Any]) -> str:
                 f"{'' if scpu is None else f'{scpu:.2f}':>14}{s['stored_bytes'] / MIB:>12.1f}"
                 f"{s['ratio']:>8.3f}{s['load_seconds']:>9.2f}"
             )
-    lines += ["", f"{'ratio':<56}{'value':>8}  target    met"]
-    for name, v in report["ratios"].items():
-        t = report["targets"].get(name)
-        mark = f"  {t['target']:<8}  {'yes' if t['met'] else 'NO'}" if t else ""
-        lines.append(f"{name:<56}{v:>8.3f}{mark}")
+    lines += bench_checkpoint.ratio_lines(report, width=56)
     for name, t in report["targets"].items():
         if name not in report["ratios"]:
             lines.append(

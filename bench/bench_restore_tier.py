@@ -302,10 +302,7 @@ def table(report: dict[str, Any]) -> str:
             f"{name:<16}{v['world']:>6}{v['seconds_median']:>10.2f}{v['seconds_spread']:>8.2f}"
             f"{b['local'] / MIB:>11.1f}{b['peer'] / MIB:>10.1f}{b['s3'] / MIB:>9.1f}"
         )
-    lines += ["", f"{'ratio':<48}{'value':>8}  target    met"]
-    for name, value in report["ratios"].items():
-        t = report["targets"][name]
-        lines.append(f"{name:<48}{value:>8.3f}  {t['target']:<8}  {'yes' if t['met'] else 'NO'}")
+    lines += bc.ratio_lines(report, width=48)
     return "\n".join(lines)
 
 

@@ -118,9 +118,13 @@ def config(args: dict[str, Any]) -> CheckpointConfig:
 
 def save(args: dict[str, Any]) -> None:
     """Train a little, save at args['step'], write the gathered reference state."""
+    _save(args, config(args))
+
+
+def _save(args: dict[str, Any], cfg: CheckpointConfig) -> None:
     model, opt = build(args["kind"], seed=0)
     train(model, opt, 2)
-    pending = Checkpointer(config(args)).save(
+    pending = Checkpointer(cfg).save(
         args["step"], model=model, optimizer=opt, extra={"step": args["step"], "pos": 7}
     )
     ref = full_state(model, opt)
@@ -132,18 +136,28 @@ def save(args: dict[str, Any]) -> None:
 
 def load_and_compare(args: dict[str, Any]) -> None:
     """Fresh (differently initialised) model at this world size: load, compare bitwise."""
+    model, opt, _, tensors = _load_checked(args, config(args))
+    if tensors is not None:
+        print(f"bitwise equal: {tensors} tensors at world size {dist.get_world_size()}")
+    train(model, opt, 1)  # the loaded state trains on
+
+
+def _load_checked(
+    args: dict[str, Any], cfg: CheckpointConfig
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, int | None]:
+    """Load into a fresh model and check it: (model, optimizer, the LoadResult, the tensors
+    compared bitwise with the reference on rank 0, None elsewhere)."""
     model, opt = build(args["kind"], seed=123)
     extra: dict[str, Any] = {"step": -1, "pos": -1}
-    result = Checkpointer(config(args)).load(model=model, optimizer=opt, extra=extra)
+    result = Checkpointer(cfg).load(model=model, optimizer=opt, extra=extra)
     assert result is not None and result.step == args["step"], result
     assert extra == {"step": args["step"], "pos": 7}, extra
     got = full_state(model, opt)
-    if dist.get_rank() == 0:
-        want = torch.load(args["ref"], weights_only=True)
-        assert_bitwise_equal(got, want)
-        tensors = len(torch.utils._pytree.tree_leaves(want))
-        print(f"bitwise equal: {tensors} tensors at world size {dist.get_world_size()}")
-    train(model, opt, 1)  # the loaded state trains on
+    if dist.get_rank() != 0:
+        return model, opt, result, None
+    want = torch.load(args["ref"], weights_only=True)
+    assert_bitwise_equal(got, want)
+    return model, opt, result, len(torch.utils._pytree.tree_leaves(want))
 
 
 class HangingStore:
@@ -315,25 +329,13 @@ def _node_config(args: dict[str, Any]) -> CheckpointConfig:
 
 def save_on_nodes(args: dict[str, Any]) -> None:
     """``save``, each rank on its own node: its chunks stay in that node's cache."""
-    model, opt = build(args["kind"], seed=0)
-    train(model, opt, 2)
-    with Checkpointer(_node_config(args)) as ckpt:
-        ckpt.save(args["step"], model=model, optimizer=opt, extra={"step": args["step"], "pos": 7})
-        ref = full_state(model, opt)
-    if dist.get_rank() == 0:
-        torch.save(ref, args["ref"])
+    _save(args, _node_config(args))
 
 
 def load_on_nodes(args: dict[str, Any]) -> None:
     """``load_and_compare`` through the tiers; each rank writes its bytes by tier."""
-    model, opt = build(args["kind"], seed=123)
-    extra: dict[str, Any] = {"step": -1, "pos": -1}
-    result = Checkpointer(_node_config(args)).load(model=model, optimizer=opt, extra=extra)
-    assert result is not None and result.step == args["step"], result
-    assert extra == {"step": args["step"], "pos": 7}, extra
-    got = full_state(model, opt)
-    if dist.get_rank() == 0:
-        assert_bitwise_equal(got, torch.load(args["ref"], weights_only=True))
+    _, _, result, tensors = _load_checked(args, _node_config(args))
+    if tensors is not None:
         print(f"bitwise equal at world size {dist.get_world_size()}")
     with open(f"{args['out']}.{dist.get_rank()}.json", "w") as f:
         json.dump(result.bytes_by_tier, f)
