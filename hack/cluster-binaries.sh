@@ -3,6 +3,12 @@
 #
 #   hack/cluster-binaries.sh           build what is missing, print the paths (KEY=PATH lines)
 #   hack/cluster-binaries.sh --check   build nothing; print the paths, exit 3 if any is missing
+#   hack/cluster-binaries.sh --kind    (opt-in; hack/kind uses it) build and print what the kind
+#                                      cluster's images are made of: the above's etcd and control
+#                                      plane, plus kind, kubelet/kubeadm/kube-proxy/kubectl (module
+#                                      gomod/k8s-node), CoreDNS, crictl and hack/kind/go's pause
+#                                      and route agent
+#   hack/cluster-binaries.sh --kind-check   the same paths, building nothing (exit 3 if missing)
 #
 # Why from source: these machines have no Docker and cannot reach GitHub or dl.k8s.io, only
 # the Go module proxy. The wrapper modules in hack/gomod/ (see regen.sh there) pin
@@ -105,6 +111,75 @@ print_paths() {
   echo "CTJ_SEAWEEDFS_BIN_DIR=$seaweedfs_dir/bin"
 }
 
+# ---- --kind / --kind-check: what hack/kind's images are made of (opt-in) -----------
+if [ "$mode" = "--kind" ] || [ "$mode" = "--kind-check" ]; then
+  kind_ldflags="-s -w"
+  kind_dir="$(recipe_dir kind "$KIND_VERSION" "$hack/gomod/kind" "$kind_ldflags")"
+  k8s_node_dir="$(recipe_dir k8s-node "$K8S_VERSION" "$hack/gomod/k8s-node" "$k8s_ldflags")"
+  coredns_ldflags="-s -w -X github.com/coredns/coredns/coremain.GitCommit=ctj-$COREDNS_VERSION"
+  coredns_dir="$(recipe_dir coredns "$COREDNS_VERSION" "$hack/gomod/coredns" "$coredns_ldflags")"
+  crictl_ldflags="-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$CRI_TOOLS_VERSION"
+  crictl_dir="$(recipe_dir crictl "$CRI_TOOLS_VERSION" "$hack/gomod/cri-tools" "$crictl_ldflags")"
+  # hack/kind/go has no go.sum (standard library only) and its sources sit in cmd/*:
+  # its recipe is the hash of every file in it.
+  kind_tools_src="$hack/kind/go"
+  kind_tools_hash="$(cd "$kind_tools_src" && find . -type f | LC_ALL=C sort | xargs sha256sum \
+    | { cat; go env GOVERSION; } | sha256sum | cut -c1-10)"
+  kind_tools_dir="$cache/kind-tools-$kind_tools_hash"
+  kind_paths() {
+    echo "CTJ_ETCD_BIN_DIR=$etcd_dir/bin"
+    echo "CTJ_K8S_BIN_DIR=$k8s_dir/bin"
+    echo "CTJ_KIND_BIN_DIR=$kind_dir/bin"
+    echo "CTJ_K8S_NODE_BIN_DIR=$k8s_node_dir/bin"
+    echo "CTJ_COREDNS_BIN_DIR=$coredns_dir/bin"
+    echo "CTJ_CRICTL_BIN_DIR=$crictl_dir/bin"
+    echo "CTJ_KIND_TOOLS_BIN_DIR=$kind_tools_dir/bin"
+  }
+  kmissing=()
+  for d in "$etcd_dir" "$k8s_dir" "$kind_dir" "$k8s_node_dir" "$coredns_dir" "$crictl_dir" \
+           "$kind_tools_dir"; do
+    [ -f "$d/.complete" ] || kmissing+=("$d")
+  done
+  if [ "$mode" = "--kind-check" ]; then
+    kind_paths
+    if (( ${#kmissing[@]} )); then log "not built: ${kmissing[*]}"; exit 3; fi
+    exit 0
+  fi
+  t0=$(date +%s)
+  if [ ! -f "$etcd_dir/.complete" ]; then
+    build etcd "$etcd_dir" "$hack/gomod/etcd" "$etcd_ldflags" .
+  fi
+  if [ ! -f "$k8s_dir/.complete" ]; then
+    build k8s "$k8s_dir" "$hack/gomod/k8s" "$k8s_ldflags" \
+      k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+      k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
+  fi
+  if [ ! -f "$kind_tools_dir/.complete" ]; then
+    build kind-tools "$kind_tools_dir" "$kind_tools_src" "-s -w" ./cmd/pause ./cmd/ctj-kind-routes
+  fi
+  if [ ! -f "$kind_dir/.complete" ]; then
+    build kind "$kind_dir" "$hack/gomod/kind" "$kind_ldflags" sigs.k8s.io/kind
+  fi
+  if [ ! -f "$crictl_dir/.complete" ]; then
+    build crictl "$crictl_dir" "$hack/gomod/cri-tools" "$crictl_ldflags" sigs.k8s.io/cri-tools/cmd/crictl
+  fi
+  if [ ! -f "$coredns_dir/.complete" ]; then
+    build coredns "$coredns_dir" "$hack/gomod/coredns" "$coredns_ldflags" .
+  fi
+  if [ ! -f "$k8s_node_dir/.complete" ]; then
+    build k8s-node "$k8s_node_dir" "$hack/gomod/k8s-node" "$k8s_ldflags" \
+      k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubeadm \
+      k8s.io/kubernetes/cmd/kube-proxy k8s.io/kubernetes/cmd/kubectl
+  fi
+  if (( ${#kmissing[@]} )); then
+    log "cold build of ${kmissing[*]##*/} took $(( $(date +%s) - t0 ))s"
+  else
+    log "all kind binaries cached"
+  fi
+  kind_paths
+  exit 0
+fi
+
 missing=()
 for d in "$etcd_dir" "$k8s_dir" "$helm_dir" "$kubeflow_dir" "$seaweedfs_dir"; do [ -f "$d/.complete" ] || missing+=("$d"); done
 if [ "$mode" = "--check" ]; then
@@ -112,7 +187,7 @@ if [ "$mode" = "--check" ]; then
   if (( ${#missing[@]} )); then log "not built: ${missing[*]}"; exit 3; fi
   exit 0
 fi
-if [ "$mode" != "build" ]; then log "usage: $0 [--check]"; exit 2; fi
+if [ "$mode" != "build" ]; then log "usage: $0 [--check|--kind|--kind-check]"; exit 2; fi
 
 t0=$(date +%s)
 if [ ! -f "$etcd_dir/.complete" ]; then
