@@ -14,8 +14,8 @@ hack/system-tools.sh                # promtool
 wait "$bin_pid" || { cat "$bin_log" >&2; echo "ctj: building the cluster binaries failed" >&2; exit 1; }
 cat "$bin_log" >&2
 echo "ctj: ruff" >&2
-ruff check trainer_sidecar operator tests bench hack/ctj_devcluster examples
+ruff check trainer_sidecar operator tests bench hack/ctj_devcluster hack/ctj_stack examples
 echo "ctj: mypy" >&2
-mypy trainer_sidecar operator/ctj_operator hack/ctj_devcluster bench
+mypy trainer_sidecar operator/ctj_operator hack/ctj_devcluster hack/ctj_stack bench
 echo "ctj: pytest" >&2
 exec python -m pytest -ra "$@"
