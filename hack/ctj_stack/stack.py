@@ -27,6 +27,7 @@ SEAWEEDFS_MANIFEST = ROOT / "deploy" / "seaweedfs" / "seaweedfs.yaml"
 GROUP = "training.ctj.dev"
 S3_NAMESPACE = "seaweedfs"
 S3_ENDPOINT = "http://seaweedfs.seaweedfs:8333"  # the example job's, in-cluster
+RESTART_TIMEOUT = 420.0  # node-monitor grace + teardown + scheduling + torch's start
 CONTROL_PLANE_LABEL = "node-role.kubernetes.io/control-plane"
 CONTROL_PLANE_TOLERATION = {
     "key": CONTROL_PLANE_LABEL,
@@ -294,6 +295,48 @@ class Stack:
                 except ValueError:
                     continue
         return events
+
+    def wait_running(self, namespace: str, name: str, world: int, after: int) -> dict[str, Any]:
+        """The status once an attempt later than ``after`` runs at ``world``."""
+
+        def later() -> dict[str, Any] | None:
+            st = self.running(namespace, name, world)
+            return st if st and int(st["attempt"]) > after else None
+
+        st: dict[str, Any] = self.wait(
+            later, f"the job to run at world size {world}", RESTART_TIMEOUT,
+            lambda: self.describe(namespace, name),
+        )  # fmt: skip
+        return st
+
+    def restored(
+        self, namespace: str, name: str, attempt: int, world: int
+    ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """Each pod of ``attempt``: its ``restored`` event and its first step after it."""
+
+        def seen() -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
+            out = []
+            for pod in self.attempt_pods(namespace, name, attempt):
+                events = self.trainer_events(namespace, pod.metadata.name)
+                restored = [e for e in events if e["event"] == "restored"]
+                steps = [e for e in events if e["event"] == "step"]
+                if not (restored and steps):
+                    return None
+                out.append((restored[0], steps[0]))
+            return out if len(out) == world else None
+
+        found: list[tuple[dict[str, Any], dict[str, Any]]] = self.wait(
+            seen, f"attempt {attempt}'s {world} pods to restore and train", 240,
+            lambda: self.describe(namespace, name),
+        )  # fmt: skip
+        return found
+
+    def describe(self, namespace: str, name: str) -> str:
+        """The job's status and where its pods are: what a timeout reports."""
+        lines = [json.dumps(self.status(namespace, name), indent=1)]
+        for pod in self.pods(namespace, name):
+            lines.append(f"{pod.metadata.name} on {pod.spec.node_name}: {pod.status.phase}")
+        return "\n".join(lines)
 
     def node_of(self, pod: Any) -> str:
         return str(pod.spec.node_name)

@@ -21,7 +21,6 @@ JOB = "demo"
 # Long enough never to finish during the test; slow enough to read, fast enough to save
 # every few seconds (the example saves every 10 steps).
 TRAINING = {"CTJ_TOTAL_STEPS": "1000000", "CTJ_STEP_DELAY_S": "0.2"}
-RESTART_TIMEOUT = 420.0  # node-monitor grace + teardown + scheduling + torch's start
 
 
 def _record(result: dict[str, Any]) -> None:
@@ -29,33 +28,6 @@ def _record(result: dict[str, Any]) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(result) + "\n")
-
-
-def _restored(stack: Stack, ns: str, attempt: int, world: int) -> list[tuple[dict, dict]]:
-    """Each pod of ``attempt``: its ``restored`` event and the first step after it."""
-
-    def seen() -> list[tuple[dict, dict]] | None:
-        out = []
-        for pod in stack.attempt_pods(ns, JOB, attempt):
-            events = stack.trainer_events(ns, pod.metadata.name)
-            restored = [e for e in events if e["event"] == "restored"]
-            steps = [e for e in events if e["event"] == "step"]
-            if not (restored and steps):
-                return None
-            out.append((restored[0], steps[0]))
-        return out if len(out) == world else None
-
-    result: list[tuple[dict, dict]] = stack.wait(
-        seen, f"attempt {attempt}'s {world} pods to restore and train", 240
-    )
-    return result
-
-
-def _diagnostics(stack: Stack, ns: str) -> str:
-    lines = [json.dumps(stack.status(ns, JOB), indent=1)]
-    for pod in stack.pods(ns, JOB):
-        lines.append(f"{pod.metadata.name} on {pod.spec.node_name}: {pod.status.phase}")
-    return "\n".join(lines)
 
 
 @pytest.mark.incremental
@@ -93,7 +65,7 @@ class TestJobLifecycle:
             return st if st and (st.get("lastCheckpoint") or {}).get("step", 0) >= 20 else None
 
         st = stack.wait(committed, "3 pods running, a checkpoint committed", 600,
-                        lambda: _diagnostics(stack, ns))  # fmt: skip
+                        lambda: stack.describe(ns, JOB))  # fmt: skip
         table = stack.kubectl("get", "ctj", JOB, "-n", ns).splitlines()
         header, row = table[0].split(), dict(zip(table[0].split(), table[1].split(), strict=False))
         assert "STEP" in header and int(row["STEP"]) >= st["lastCheckpoint"]["step"]
@@ -116,12 +88,8 @@ class TestJobLifecycle:
         node_control.stop_node(node)
         self.state["node"] = node
 
-        st = stack.wait(
-            lambda: (s := stack.running(ns, JOB, 2)) and s["attempt"] > attempt and s,
-            "the job to run again at world size 2", RESTART_TIMEOUT,
-            lambda: _diagnostics(stack, ns),
-        )  # fmt: skip
-        restored = _restored(stack, ns, st["attempt"], 2)
+        st = stack.wait_running(ns, JOB, 2, after=attempt)
+        restored = stack.restored(ns, JOB, st["attempt"], 2)
         steps = {r["step"] for r, _ in restored}
         assert len(steps) == 1, f"the ranks restored different steps: {steps}"
         step = steps.pop()
@@ -160,12 +128,8 @@ class TestJobLifecycle:
         ns, attempt, node = job_namespace, self.state["attempt"], self.state["node"]
         node_control.start_node(node)
         stack.wait(lambda: stack.node_ready(node), f"node {node} Ready again", 300)
-        st = stack.wait(
-            lambda: (s := stack.running(ns, JOB, 3)) and s["attempt"] > attempt and s,
-            "the job to grow back to world size 3", RESTART_TIMEOUT,
-            lambda: _diagnostics(stack, ns),
-        )  # fmt: skip
-        restored = _restored(stack, ns, st["attempt"], 3)
+        st = stack.wait_running(ns, JOB, 3, after=attempt)
+        restored = stack.restored(ns, JOB, st["attempt"], 3)
         assert all(r["world_size"] == 3 and f["step"] == r["step"] + 1 for r, f in restored)
         self.state["attempt"] = st["attempt"]
 
@@ -173,12 +137,8 @@ class TestJobLifecycle:
         ns, attempt = job_namespace, self.state["attempt"]
         world = 2 if stack.status(ns, JOB)["worldSize"] == 3 else 3
         stack.kubectl("scale", f"ctj/{JOB}", f"--replicas={world}", "-n", ns)
-        st = stack.wait(
-            lambda: (s := stack.running(ns, JOB, world)) and s["attempt"] > attempt and s,
-            f"the job to run at world size {world}", RESTART_TIMEOUT,
-            lambda: _diagnostics(stack, ns),
-        )  # fmt: skip
-        restored = _restored(stack, ns, st["attempt"], world)
+        st = stack.wait_running(ns, JOB, world, after=attempt)
+        restored = stack.restored(ns, JOB, st["attempt"], world)
         assert all(r["world_size"] == world for r, _ in restored)
 
     def test_deleting_the_job_removes_every_child(self, stack: Stack, job_namespace: str) -> None:
