@@ -40,7 +40,7 @@ def _events(stack: Stack, attempt: int) -> dict[str, list[dict[str, Any]]]:
 
 def run(stack: Stack, nodes: NodeControl, keep: bool) -> None:
     credentials = S3Credentials()
-    stack.install_operator(control_plane=True)
+    stack.install_operator(control_plane=bool(stack.control_plane_nodes()))
     stack.install_s3(credentials)
     stack.job_namespace(NAMESPACE, credentials)
     if stack.children(NAMESPACE, JOB):
@@ -64,8 +64,7 @@ def run(stack: Stack, nodes: NodeControl, keep: bool) -> None:
         if e["event"] == "committed":
             timeline(f"committed step {e['step']} at world 3 ({e['mode']}, "
                      f"{e['uploaded_bytes'] / 1e6:.1f} MB up)", e["t"])  # fmt: skip
-    pods = sorted(stack.attempt_pods(NAMESPACE, JOB, attempt), key=lambda p: p.metadata.name)
-    victim = pods[-1]
+    victim = stack.victim(NAMESPACE, JOB, attempt)
     node = stack.node_of(victim)
     committed = st["lastCheckpoint"]["step"]
     killed_at = time.time()

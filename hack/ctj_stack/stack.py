@@ -26,6 +26,7 @@ EXAMPLE_JOB = ROOT / "examples" / "job.yaml"
 SEAWEEDFS_MANIFEST = ROOT / "deploy" / "seaweedfs" / "seaweedfs.yaml"
 GROUP = "training.ctj.dev"
 S3_NAMESPACE = "seaweedfs"
+OPERATOR_NAMESPACE = "ctj-system"
 S3_ENDPOINT = "http://seaweedfs.seaweedfs:8333"  # the example job's, in-cluster
 RESTART_TIMEOUT = 420.0  # node-monitor grace + teardown + scheduling + torch's start
 CONTROL_PLANE_LABEL = "node-role.kubernetes.io/control-plane"
@@ -175,7 +176,7 @@ class Stack:
     # --- installing -----------------------------------------------------------------
 
     def install_operator(
-        self, namespace: str = "ctj-system", release: str = "ctj", control_plane: bool = False
+        self, namespace: str = OPERATOR_NAMESPACE, release: str = "ctj", control_plane: bool = False
     ) -> None:
         """The chart, with our images, as a user installs it; waits until it is Ready.
         ``control_plane``: run the operator on the control-plane node (a test cluster's
@@ -340,6 +341,26 @@ class Stack:
 
     def node_of(self, pod: Any) -> str:
         return str(pod.spec.node_name)
+
+    def victim(self, namespace: str, name: str, attempt: int) -> Any:
+        """The pod of ``attempt`` whose node to stop: the highest node rank on a node that
+        runs neither the operator nor the S3 server (losing those is another test)."""
+        keep = {
+            p.spec.node_name
+            for ns in (OPERATOR_NAMESPACE, S3_NAMESPACE)
+            for p in self.core.list_namespaced_pod(ns).items
+        }
+        pods = sorted(self.attempt_pods(namespace, name, attempt), key=lambda p: p.metadata.name)
+        candidates = [p for p in pods if p.spec.node_name not in keep]
+        if not candidates:
+            raise RuntimeError(
+                f"every node of the job also runs the operator or the S3 server: {sorted(keep)}"
+            )
+        return candidates[-1]
+
+    def control_plane_nodes(self) -> list[str]:
+        nodes = self.core.list_node(label_selector=CONTROL_PLANE_LABEL).items
+        return [n.metadata.name for n in nodes]
 
     def node_ready(self, node: str) -> bool:
         try:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from ctj_stack import Images, NodeControl, S3Credentials, Stack
+from ctj_stack.stack import OPERATOR_NAMESPACE
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -68,10 +69,11 @@ def node_control() -> NodeControl | None:
 
 @pytest.fixture(scope="session")
 def operator_installed(stack: Stack) -> Iterator[str]:
-    """The chart, installed as a user would, its operator on the control plane (losing a
-    worker then loses training pods only). Yields the operator's namespace."""
-    namespace = "ctj-system"
-    stack.install_operator(namespace, control_plane=True)
+    """The chart, installed as a user would, its operator on a control-plane node where
+    the cluster has one (losing a worker then loses training pods only). Yields the
+    operator's namespace."""
+    namespace = OPERATOR_NAMESPACE
+    stack.install_operator(namespace, control_plane=bool(stack.control_plane_nodes()))
     yield namespace
     stack.helm("uninstall", "ctj", "-n", namespace, "--wait")
 

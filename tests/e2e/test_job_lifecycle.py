@@ -78,8 +78,8 @@ class TestJobLifecycle:
         if node_control is None:
             pytest.skip("CTJ_E2E_NODE_STOP/START are not set: no way to stop a node here")
         ns, attempt = job_namespace, self.state["attempt"]
-        pods = sorted(stack.attempt_pods(ns, JOB, attempt), key=lambda p: p.metadata.name)
-        victim = pods[-1]  # the last node rank: rank 0's node keeps the old master's log
+        pods = stack.attempt_pods(ns, JOB, attempt)
+        victim = stack.victim(ns, JOB, attempt)
         node = stack.node_of(victim)
         before = {p.metadata.name: stack.trainer_events(ns, p.metadata.name) for p in pods}
         committed_before = stack.status(ns, JOB)["lastCheckpoint"]["step"]
