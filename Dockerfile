@@ -1,27 +1,36 @@
-# syntax=docker/dockerfile:1
-# ctj images. Two targets:
+# ctj images. Two targets (BuildKit, the default builder of Docker 23+):
 #   docker build --target operator -t ghcr.io/ctj/operator:0.1.0 .
 #   docker build --target trainer  -t ghcr.io/ctj/trainer:0.1.0 .
 # Versions come from requirements/dev.txt (the one place pins live): each deps stage
 # installs exactly the packages it names, at the version pinned there, and fails if one
-# has no pin. See docs/deploy.md.
+# has no pin. See docs/deploy.md. hack/containers/images.sh builds both here, with no
+# registry, FROM a Debian base made by debootstrap (PYTHON_IMAGE below).
+#
+# Layers: each target's venv is one layer installed in place (never copied between
+# stages, which would store torch's ~5 GB twice), under our code, which changes most.
+# pip's downloads stay in a BuildKit cache mount, out of the image.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_NO_CACHE_DIR=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# A numeric UID, so runAsNonRoot can verify it (the chart runs as 65532 too).
+RUN groupadd --gid 65532 ctj \
+    && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /app --shell /usr/sbin/nologin ctj
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONPATH=/app
+WORKDIR /app
 
-# --- dependencies, in a venv per target (copied whole into the final stage) ----------
+# --- dependencies: a venv per target, /opt/venv ------------------------------------------
 
 FROM base AS operator-deps
 # The operator reads checkpoint manifests through trainer_sidecar.repository, hence the
 # store's dependencies; never torch.
 ARG OPERATOR_PACKAGES="kopf kubernetes prometheus-client boto3 blake3 zstandard tqdm numpy"
 COPY requirements/dev.txt /tmp/dev.txt
-RUN set -eu; \
+RUN --mount=type=cache,target=/root/.cache/pip,id=ctj-pip set -eu; \
     for p in $OPERATOR_PACKAGES; do grep -E "^${p}(\[[^]]*\])?==" /tmp/dev.txt \
       || { echo "no pin for $p in requirements/dev.txt" >&2; exit 1; }; done > /tmp/pins.txt; \
     python -m venv /opt/venv; \
@@ -33,7 +42,7 @@ FROM base AS trainer-deps
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 ARG TRAINER_PACKAGES="numpy boto3 blake3 zstandard tqdm safetensors prometheus-client kubernetes"
 COPY requirements/dev.txt /tmp/dev.txt
-RUN set -eu; \
+RUN --mount=type=cache,target=/root/.cache/pip,id=ctj-pip set -eu; \
     grep -E "^torch==" /tmp/dev.txt > /tmp/torch.txt \
       || { echo "no pin for torch in requirements/dev.txt" >&2; exit 1; }; \
     for p in $TRAINER_PACKAGES; do grep -E "^${p}(\[[^]]*\])?==" /tmp/dev.txt \
@@ -44,24 +53,14 @@ RUN set -eu; \
 
 # --- final images: the venv, our code in /app, a non-root user --------------------------
 
-FROM base AS runtime
-# A numeric UID, so runAsNonRoot can verify it (the chart runs as 65532 too).
-RUN groupadd --gid 65532 ctj \
-    && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /app --shell /usr/sbin/nologin ctj
-ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONPATH=/app
-WORKDIR /app
-
-FROM runtime AS operator
-COPY --from=operator-deps /opt/venv /opt/venv
+FROM operator-deps AS operator
 COPY trainer_sidecar/ /app/trainer_sidecar/
 COPY operator/ctj_operator/ /app/ctj_operator/
 USER 65532:65532
 EXPOSE 8080 8081
 ENTRYPOINT ["python", "-m", "ctj_operator"]
 
-FROM runtime AS trainer
-COPY --from=trainer-deps /opt/venv /opt/venv
+FROM trainer-deps AS trainer
 COPY trainer_sidecar/ /app/trainer_sidecar/
 COPY examples/ /app/examples/
 # `ctj ...` as in the README (the same as python -m trainer_sidecar)

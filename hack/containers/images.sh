@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Builds (once) ctj's images here, with no registry, and prints their names:
+#
+#   CTJ_OPERATOR_IMAGE=ctj/operator:<key>    the Dockerfile's operator target
+#   CTJ_TRAINER_IMAGE=ctj/trainer:<key>      its trainer target (trainer and sidecar)
+#   CTJ_SEAWEEDFS_IMAGE=ctj/seaweedfs:<key>  deploy/seaweedfs/Dockerfile, our S3 server
+#
+#   hack/containers/images.sh [operator|trainer|seaweedfs ...]   (default: all three)
+#
+# <key> hashes every input of an image (the Dockerfile, the files it copies, the base
+# image's ID), so an unchanged tree is a no-op and a changed one gets a new tag: pods
+# never run a stale image under an old name. The Python base is ctj/python:3.11-bookworm,
+# Debian's python3 on the debootstrap base (base-image.sh). Users with a registry build
+# the same Dockerfile FROM python:3.11-slim (docs/deploy.md).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+DOCKER=/usr/bin/docker
+export DOCKER_BUILDKIT=1
+log() { printf 'images: %s\n' "$*" >&2; }
+
+# key INPUTS...: a short hash of files' contents (and of any literal strings given)
+key() {
+  local f
+  for f in "$@"; do
+    if [ -d "$f" ]; then
+      find "$f" -type f ! -name '*.pyc' ! -path '*/__pycache__/*' ! -path '*.egg-info/*' \
+        -print0 | sort -z | xargs -0 sha256sum
+    elif [ -f "$f" ]; then sha256sum "$f"
+    else printf '%s\n' "$f"; fi
+  done | sed "s#$root/##" | sha256sum | cut -c1-12
+}
+
+# build IMAGE DOCKERFILE CONTEXT [docker build args...]: build unless IMAGE exists
+build() {
+  local image="$1" file="$2" context="$3"; shift 3
+  if "$DOCKER" image inspect "$image" >/dev/null 2>&1; then return 0; fi
+  local start blog; start=$(date +%s)
+  blog="${CTJ_CACHE:-$HOME/.cache/ctj}/build-${image//[\/:]/-}.log"
+  log "building $image (progress: $blog)"
+  if ! "$DOCKER" build --progress=plain -f "$file" -t "$image" "$@" "$context" >"$blog" 2>&1; then
+    tail -n 30 "$blog" >&2
+    log "building $image failed"; return 1
+  fi
+  log "built $image in $(( $(date +%s) - start ))s ($("$DOCKER" image inspect -f '{{.Size}}' "$image" \
+       | awk '{printf "%.0f MB", $1/1e6}'))"
+}
+
+mkdir -p "${CTJ_CACHE:-$HOME/.cache/ctj}"
+base="$("$here/base-image.sh")"
+base_id="$("$DOCKER" image inspect -f '{{.Id}}' "$base")"
+python="ctj/python:3.11-bookworm-$(key "$here/python.Dockerfile" "$base_id")"
+build "$python" "$here/python.Dockerfile" "$here" --build-arg "BASE=$base"
+
+wanted=("$@"); (( ${#wanted[@]} )) || wanted=(operator trainer seaweedfs)
+ctj_key="$(key "$root/Dockerfile" "$root/.dockerignore" "$root/requirements/dev.txt" \
+  "$root/trainer_sidecar" "$root/operator/ctj_operator" "$root/examples" "$python")"
+for what in "${wanted[@]}"; do
+  case "$what" in
+    operator|trainer)
+      image="ctj/$what:$ctj_key"
+      build "$image" "$root/Dockerfile" "$root" --target "$what" --build-arg "PYTHON_IMAGE=$python"
+      echo "CTJ_${what^^}_IMAGE=$image" ;;
+    seaweedfs)
+      weed_dir="$("$root/hack/cluster-binaries.sh" | sed -n 's/^CTJ_SEAWEEDFS_BIN_DIR=//p')"
+      image="ctj/seaweedfs:$(key "$root/deploy/seaweedfs/Dockerfile" "$weed_dir/weed" "$base_id")"
+      if ! "$DOCKER" image inspect "$image" >/dev/null 2>&1; then
+        ctx="$(mktemp -d)"; cp "$root/deploy/seaweedfs/Dockerfile" "$weed_dir/weed" "$ctx/"
+        build "$image" "$ctx/Dockerfile" "$ctx" --build-arg "BASE=$base"; rm -rf "$ctx"
+      fi
+      echo "CTJ_SEAWEEDFS_IMAGE=$image" ;;
+    *) log "unknown image '$what' (operator, trainer, seaweedfs)"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,409 @@
+"""Installing ctj's stack on a cluster and watching a job: thin adapters over kubectl, helm
+and the Kubernetes API, with every wait a condition and a deadline."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shlex
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from ctj_devcluster.binaries import built_dirs
+from ctj_devcluster.processes import wait_until
+from kubernetes import client, config
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "ctj"
+EXAMPLE_JOB = ROOT / "examples" / "job.yaml"
+SEAWEEDFS_MANIFEST = ROOT / "deploy" / "seaweedfs" / "seaweedfs.yaml"
+GROUP = "training.ctj.dev"
+S3_NAMESPACE = "seaweedfs"
+OPERATOR_NAMESPACE = "ctj-system"
+S3_ENDPOINT = "http://seaweedfs.seaweedfs:8333"  # the example job's, in-cluster
+RESTART_TIMEOUT = 420.0  # node-monitor grace + teardown + scheduling + torch's start
+CONTROL_PLANE_LABEL = "node-role.kubernetes.io/control-plane"
+CONTROL_PLANE_TOLERATION = {
+    "key": CONTROL_PLANE_LABEL,
+    "operator": "Exists",
+    "effect": "NoSchedule",
+}
+
+
+def _required(env: dict[str, str], name: str, hint: str) -> str:
+    value = env.get(name, "")
+    if not value:
+        raise ValueError(f"{name} is not set: {hint}")
+    return value
+
+
+@dataclass(frozen=True)
+class Images:
+    """Our images as the nodes know them (hack/containers/images.sh prints these names)."""
+
+    operator: str
+    trainer: str
+    seaweedfs: str
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Images:
+        env = dict(os.environ if env is None else env)
+        hint = "build them with hack/containers/images.sh (it prints CTJ_*_IMAGE=...)"
+        return cls(
+            operator=_required(env, "CTJ_OPERATOR_IMAGE", hint),
+            trainer=_required(env, "CTJ_TRAINER_IMAGE", hint),
+            seaweedfs=_required(env, "CTJ_SEAWEEDFS_IMAGE", hint),
+        )
+
+
+def _repo_tag(image: str) -> tuple[str, str]:
+    repo, _, tag = image.rpartition(":")
+    if not repo or "/" in tag:
+        raise ValueError(f"image {image!r} has no tag: give repository:tag")
+    return repo, tag
+
+
+@dataclass(frozen=True)
+class Tools:
+    kubectl: str
+    helm: str
+
+    @classmethod
+    def find(cls) -> Tools:
+        """kubectl and helm from PATH, else the ones hack/cluster-binaries.sh built."""
+        dirs = built_dirs()
+        found = {}
+        for name, key in (("kubectl", "CTJ_K8S_BIN_DIR"), ("helm", "CTJ_HELM_BIN_DIR")):
+            path = shutil.which(name) or str(Path(dirs.get(key, "")) / name)
+            if not os.access(path, os.X_OK):
+                raise FileNotFoundError(f"{name} not found: run hack/cluster-binaries.sh")
+            found[name] = path
+        return cls(**found)
+
+
+@dataclass(frozen=True)
+class NodeControl:
+    """How to stop and start a node, as shell command templates with ``{node}``: on kind
+    ``docker kill {node}`` and ``docker start {node}`` (CTJ_E2E_NODE_STOP/START)."""
+
+    stop: str
+    start: str
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> NodeControl | None:
+        env = dict(os.environ if env is None else env)
+        stop, start = env.get("CTJ_E2E_NODE_STOP", ""), env.get("CTJ_E2E_NODE_START", "")
+        return cls(stop, start) if stop and start else None
+
+    def _run(self, template: str, node: str) -> None:
+        subprocess.run(template.format(node=shlex.quote(node)), shell=True, check=True)
+
+    def stop_node(self, node: str) -> None:
+        self._run(self.stop, node)
+
+    def start_node(self, node: str) -> None:
+        self._run(self.start, node)
+
+
+@dataclass(frozen=True)
+class S3Credentials:
+    """Random keys for the in-cluster S3 server; they live only in two Secrets."""
+
+    access_key: str = field(default_factory=lambda: "ctj" + secrets.token_hex(8), repr=False)
+    secret_key: str = field(default_factory=lambda: secrets.token_hex(20), repr=False)
+
+    def identities_json(self) -> str:
+        identity = {
+            "name": "ctj",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }
+        return json.dumps({"identities": [identity]})
+
+
+class Stack:
+    """One cluster: install, apply, read back. ``log`` gets one line per step."""
+
+    def __init__(
+        self,
+        kubeconfig: Path,
+        images: Images,
+        tools: Tools | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.kubeconfig = kubeconfig
+        self.images = images
+        self.tools = tools or Tools.find()
+        self.log = log
+        self.api_client = config.new_client_from_config(str(kubeconfig))
+        self.core = client.CoreV1Api(self.api_client)
+        self.apps = client.AppsV1Api(self.api_client)
+        self.custom = client.CustomObjectsApi(self.api_client)
+
+    # --- commands -------------------------------------------------------------------
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+
+    def kubectl(self, *args: str, stdin: str | None = None) -> str:
+        return self._run([self.tools.kubectl, *args], stdin)
+
+    def helm(self, *args: str) -> str:
+        return self._run([self.tools.helm, *args], None)
+
+    def _run(self, argv: list[str], stdin: str | None) -> str:
+        proc = subprocess.run(
+            argv, input=stdin, text=True, capture_output=True, env=self._env(), check=False
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"{Path(argv[0]).name} {' '.join(argv[1:4])}... failed ({proc.returncode}): "
+                f"{proc.stderr.strip()[-2000:]}"
+            )
+        return proc.stdout
+
+    def apply(self, objects: list[dict[str, Any]], namespace: str | None = None) -> None:
+        args = ["apply", "-f", "-"] + (["-n", namespace] if namespace else [])
+        self.kubectl(*args, stdin=yaml.safe_dump_all(objects))
+
+    # --- installing -----------------------------------------------------------------
+
+    def install_operator(
+        self, namespace: str = OPERATOR_NAMESPACE, release: str = "ctj", control_plane: bool = False
+    ) -> None:
+        """The chart, with our images, as a user installs it; waits until it is Ready.
+        ``control_plane``: run the operator on the control-plane node (a test cluster's
+        way to lose a worker without losing the operator too)."""
+        repo, tag = _repo_tag(self.images.operator)
+        sidecar_repo, sidecar_tag = _repo_tag(self.images.trainer)
+        placement: list[str] = []
+        if control_plane:
+            placement = [
+                "--set-json", f"tolerations=[{json.dumps(CONTROL_PLANE_TOLERATION)}]",
+                "--set-json", f"nodeSelector={json.dumps({CONTROL_PLANE_LABEL: ''})}",
+            ]  # fmt: skip
+        self.log(f"helm install {release} charts/ctj (operator {self.images.operator})")
+        self.helm(
+            "upgrade", "--install", release, str(CHART), "-n", namespace, "--create-namespace",
+            "--set", f"image.repository={repo}", "--set", f"image.tag={tag}",
+            "--set", f"sidecarImage.repository={sidecar_repo}",
+            "--set", f"sidecarImage.tag={sidecar_tag}",
+            *placement, "--wait", "--timeout", "5m",
+        )  # fmt: skip
+
+    def install_s3(self, credentials: S3Credentials) -> None:
+        """deploy/seaweedfs with our image and a Secret of the given keys; waits until the
+        gateway can be reached."""
+        self.log(f"S3 server: deploy/seaweedfs/seaweedfs.yaml ({self.images.seaweedfs})")
+        objects = [o for o in yaml.safe_load_all(SEAWEEDFS_MANIFEST.read_text()) if o]
+        for obj in objects:
+            if obj["kind"] == "Deployment":
+                for c in obj["spec"]["template"]["spec"]["containers"]:
+                    c["image"] = self.images.seaweedfs
+        namespace = next(o for o in objects if o["kind"] == "Namespace")
+        self.apply([namespace])
+        self.apply([self._secret(S3_NAMESPACE, "seaweedfs-s3-identities",
+                                 {"s3.json": credentials.identities_json()})])  # fmt: skip
+        self.apply([o for o in objects if o["kind"] != "Namespace"])
+        self.kubectl("-n", S3_NAMESPACE, "rollout", "status", "deployment/seaweedfs",
+                     "--timeout=180s")  # fmt: skip
+
+    @staticmethod
+    def _secret(namespace: str, name: str, data: dict[str, str]) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "namespace": namespace},
+            "stringData": data,
+        }
+
+    def job_namespace(self, namespace: str, credentials: S3Credentials) -> None:
+        """A namespace for jobs, with the example's ``s3-credentials`` Secret."""
+        self.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}])
+        self.apply([self._secret(namespace, "s3-credentials", {
+            "AWS_ACCESS_KEY_ID": credentials.access_key,
+            "AWS_SECRET_ACCESS_KEY": credentials.secret_key,
+        })])  # fmt: skip
+
+    def example_job(self, **env: str) -> dict[str, Any]:
+        """examples/job.yaml with our trainer image (and ``env`` set in the trainer)."""
+        job: dict[str, Any] = yaml.safe_load(EXAMPLE_JOB.read_text())
+        trainer = job["spec"]["template"]["spec"]["containers"][0]
+        trainer["image"] = self.images.trainer
+        trainer["imagePullPolicy"] = "IfNotPresent"
+        have = {e["name"]: e for e in trainer.setdefault("env", [])}
+        for name, value in env.items():
+            have[name] = {"name": name, "value": value}
+        trainer["env"] = list(have.values())
+        return job
+
+    def apply_job(self, namespace: str, job: dict[str, Any]) -> None:
+        self.log(f"kubectl apply -f examples/job.yaml -n {namespace}")
+        self.apply([job], namespace)
+
+    # --- reading back ---------------------------------------------------------------
+
+    def job(self, namespace: str, name: str) -> dict[str, Any]:
+        obj = self.custom.get_namespaced_custom_object(
+            GROUP, "v1alpha1", namespace, "checkpointedtrainingjobs", name
+        )
+        assert isinstance(obj, dict)
+        return obj
+
+    def status(self, namespace: str, name: str) -> dict[str, Any]:
+        return dict(self.job(namespace, name).get("status") or {})
+
+    def pods(self, namespace: str, name: str) -> list[Any]:
+        selector = f"{GROUP}/job-name={name}"
+        return list(self.core.list_namespaced_pod(namespace, label_selector=selector).items)
+
+    def attempt_pods(self, namespace: str, name: str, attempt: int) -> list[Any]:
+        return [
+            p
+            for p in self.pods(namespace, name)
+            if p.metadata.labels.get(f"{GROUP}/attempt") == str(attempt)
+        ]
+
+    def running(self, namespace: str, name: str, world: int) -> dict[str, Any] | None:
+        """The status once an attempt runs at ``world`` with all its pods Running."""
+        st = self.status(namespace, name)
+        if st.get("phase") != "Running" or st.get("worldSize") != world:
+            return None
+        pods = self.attempt_pods(namespace, name, int(st.get("attempt", -1)))
+        ok = len(pods) == world and all(p.status.phase == "Running" for p in pods)
+        return st if ok else None
+
+    def trainer_events(
+        self, namespace: str, pod: str, container: str = "trainer"
+    ) -> list[dict[str, Any]]:
+        """The JSON lines examples/train_fsdp.py printed (none if the pod has no log yet)."""
+        try:
+            text = self.core.read_namespaced_pod_log(pod, namespace, container=container)
+        except client.ApiException:
+            return []
+        events = []
+        for line in text.splitlines():
+            if line.startswith("{"):
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    continue
+        return events
+
+    def wait_running(self, namespace: str, name: str, world: int, after: int) -> dict[str, Any]:
+        """The status once an attempt later than ``after`` runs at ``world``."""
+
+        def later() -> dict[str, Any] | None:
+            st = self.running(namespace, name, world)
+            return st if st and int(st["attempt"]) > after else None
+
+        st: dict[str, Any] = self.wait(
+            later, f"the job to run at world size {world}", RESTART_TIMEOUT,
+            lambda: self.describe(namespace, name),
+        )  # fmt: skip
+        return st
+
+    def restored(
+        self, namespace: str, name: str, attempt: int, world: int
+    ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """Each pod of ``attempt``: its ``restored`` event and its first step after it."""
+
+        def seen() -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
+            out = []
+            for pod in self.attempt_pods(namespace, name, attempt):
+                events = self.trainer_events(namespace, pod.metadata.name)
+                restored = [e for e in events if e["event"] == "restored"]
+                steps = [e for e in events if e["event"] == "step"]
+                if not (restored and steps):
+                    return None
+                out.append((restored[0], steps[0]))
+            return out if len(out) == world else None
+
+        found: list[tuple[dict[str, Any], dict[str, Any]]] = self.wait(
+            seen, f"attempt {attempt}'s {world} pods to restore and train", 240,
+            lambda: self.describe(namespace, name),
+        )  # fmt: skip
+        return found
+
+    def describe(self, namespace: str, name: str) -> str:
+        """The job's status and where its pods are: what a timeout reports."""
+        lines = [json.dumps(self.status(namespace, name), indent=1)]
+        for pod in self.pods(namespace, name):
+            lines.append(f"{pod.metadata.name} on {pod.spec.node_name}: {pod.status.phase}")
+        return "\n".join(lines)
+
+    def node_of(self, pod: Any) -> str:
+        return str(pod.spec.node_name)
+
+    def victim(self, namespace: str, name: str, attempt: int) -> Any:
+        """The pod of ``attempt`` whose node to stop: the highest node rank on a node that
+        runs neither the operator nor the S3 server (losing those is another test)."""
+        keep = {
+            p.spec.node_name
+            for ns in (OPERATOR_NAMESPACE, S3_NAMESPACE)
+            for p in self.core.list_namespaced_pod(ns).items
+        }
+        pods = sorted(self.attempt_pods(namespace, name, attempt), key=lambda p: p.metadata.name)
+        candidates = [p for p in pods if p.spec.node_name not in keep]
+        if not candidates:
+            raise RuntimeError(
+                f"every node of the job also runs the operator or the S3 server: {sorted(keep)}"
+            )
+        return candidates[-1]
+
+    def control_plane_nodes(self) -> list[str]:
+        nodes = self.core.list_node(label_selector=CONTROL_PLANE_LABEL).items
+        return [n.metadata.name for n in nodes]
+
+    def node_ready(self, node: str) -> bool:
+        try:
+            conditions = self.core.read_node(node).status.conditions or []
+        except client.ApiException:
+            return False
+        return any(c.type == "Ready" and c.status == "True" for c in conditions)
+
+    def wait(
+        self,
+        condition: Callable[[], Any],
+        what: str,
+        timeout: float,
+        diagnostics: Callable[[], str] | None = None,
+    ) -> Any:
+        start = time.monotonic()
+        result = wait_until(
+            condition, timeout=timeout, what=what, interval=1.0, on_timeout=diagnostics
+        )
+        self.log(f"  {what}: {time.monotonic() - start:.0f}s")
+        return result
+
+    def delete_job(self, namespace: str, name: str) -> None:
+        self.kubectl("delete", "ctj", name, "-n", namespace, "--wait=true", "--timeout=120s")
+
+    def children(self, namespace: str, name: str) -> list[str]:
+        """Every object in ``namespace`` the job owns or labels (pods, services, secrets,
+        config maps, PyTorchJobs), as kind/name."""
+        found = []
+        listings: list[tuple[str, Callable[..., Any]]] = [
+            ("pod", self.core.list_namespaced_pod),
+            ("service", self.core.list_namespaced_service),
+            ("secret", self.core.list_namespaced_secret),
+            ("configmap", self.core.list_namespaced_config_map),
+        ]
+        for kind, list_fn in listings:
+            for obj in list_fn(namespace).items:
+                labels = obj.metadata.labels or {}
+                owners = [
+                    o.name
+                    for o in obj.metadata.owner_references or []
+                    if o.kind == "CheckpointedTrainingJob"
+                ]
+                if labels.get(f"{GROUP}/job-name") == name or name in owners:
+                    found.append(f"{kind}/{obj.metadata.name}")
+        return found

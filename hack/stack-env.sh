@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Brings up (or reuses) everything the e2e tier and the kind demo run on, and prints the
+# environment they read, as KEY=VALUE lines on stdout (progress goes to stderr):
+#
+#   CTJ_E2E_KUBECONFIG=...    the kind cluster hack/kind/cluster.sh builds (1 + 3 nodes)
+#   CTJ_OPERATOR_IMAGE=... CTJ_TRAINER_IMAGE=... CTJ_SEAWEEDFS_IMAGE=...  (on its nodes)
+#   CTJ_E2E_NODE_STOP=docker kill {node}   CTJ_E2E_NODE_START=docker start {node}
+#
+# Exit 3, with one line saying why, when no container runtime can run on this machine
+# (the e2e tier then skips with that reason); any other failure is an error.
+set -euo pipefail
+hack="$(cd "$(dirname "$0")" && pwd)"
+if ! "$hack/containers/docker.sh" >&2; then
+  echo "no container runtime can run here (hack/containers/docker.sh failed; see its log)"
+  exit 3
+fi
+images="$("$hack/containers/images.sh")"
+kubeconfig="$("$hack/kind/cluster.sh" up | sed -n 's/^KUBECONFIG=//p')"
+[ -n "$kubeconfig" ] || { echo "stack-env: hack/kind/cluster.sh up printed no KUBECONFIG" >&2; exit 1; }
+# shellcheck disable=SC2046
+"$hack/kind/cluster.sh" load $(printf '%s\n' "$images" | cut -d= -f2) >&2
+echo "CTJ_E2E_KUBECONFIG=$kubeconfig"
+printf '%s\n' "$images"
+echo "CTJ_E2E_NODE_STOP=/usr/bin/docker kill {node}"
+echo "CTJ_E2E_NODE_START=/usr/bin/docker start {node}"

@@ -1,0 +1,93 @@
+"""The e2e tier: ctj on a real cluster with real kubelets, our own images, an S3 server
+in the cluster, all through the tools a user has (helm, kubectl).
+
+It runs against whatever cluster CTJ_E2E_KUBECONFIG names (never a plain KUBECONFIG,
+so a test run cannot wander onto a cluster by accident), with our images named by
+CTJ_OPERATOR_IMAGE, CTJ_TRAINER_IMAGE and CTJ_SEAWEEDFS_IMAGE, already on its nodes.
+Node loss needs CTJ_E2E_NODE_STOP/START (``docker kill {node}``/``docker start {node}``
+on kind). ./hack/test.sh sets all of it on the kind cluster hack/kind/cluster.sh builds,
+or CTJ_E2E_SKIP_REASON when no container runtime can run here: the tier then skips,
+with that reason in the summary. docs/e2e.md: running it against your own cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ctj_stack import Images, NodeControl, S3Credentials, Stack
+from ctj_stack.stack import OPERATOR_NAMESPACE
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/e2e/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.e2e)
+
+
+# Steps of one scenario (a class marked ``incremental``) run in order on one job: after a
+# step fails, the later ones are reported as xfailed ("the step before failed"), not as
+# failures of their own.
+_failed_step: dict[str, str] = {}
+
+
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> None:
+    if "incremental" in item.keywords and call.excinfo is not None and item.parent:
+        _failed_step.setdefault(item.parent.nodeid, item.name)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if "incremental" in item.keywords and item.parent:
+        failed = _failed_step.get(item.parent.nodeid)
+        if failed:
+            pytest.xfail(f"the step before failed ({failed})")
+
+
+@pytest.fixture(scope="session")
+def stack() -> Stack:
+    reason = os.environ.get("CTJ_E2E_SKIP_REASON")
+    if reason:
+        pytest.skip(f"e2e tier: {reason}")
+    kubeconfig = os.environ.get("CTJ_E2E_KUBECONFIG")
+    if not kubeconfig:
+        pytest.skip("e2e tier: CTJ_E2E_KUBECONFIG is not set (./hack/test.sh sets it on kind)")
+    try:
+        images = Images.from_env()
+    except ValueError as exc:
+        pytest.fail(f"e2e tier: {exc}")
+    return Stack(Path(kubeconfig), images, log=lambda line: print(f"e2e: {line}", flush=True))
+
+
+@pytest.fixture(scope="session")
+def node_control() -> NodeControl | None:
+    return NodeControl.from_env()
+
+
+@pytest.fixture(scope="session")
+def operator_installed(stack: Stack) -> Iterator[str]:
+    """The chart, installed as a user would, its operator on a control-plane node where
+    the cluster has one (losing a worker then loses training pods only). Yields the
+    operator's namespace."""
+    namespace = OPERATOR_NAMESPACE
+    stack.install_operator(namespace, control_plane=bool(stack.control_plane_nodes()))
+    yield namespace
+    stack.helm("uninstall", "ctj", "-n", namespace, "--wait")
+
+
+@pytest.fixture(scope="session")
+def s3_credentials(stack: Stack) -> S3Credentials:
+    credentials = S3Credentials()
+    stack.install_s3(credentials)
+    return credentials
+
+
+@pytest.fixture(scope="module")
+def job_namespace(stack: Stack, s3_credentials: S3Credentials) -> Iterator[str]:
+    namespace = f"ctj-e2e-{secrets.token_hex(3)}"
+    stack.job_namespace(namespace, s3_credentials)
+    yield namespace
+    stack.kubectl("delete", "namespace", namespace, "--wait=false")

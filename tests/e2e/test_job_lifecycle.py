@@ -1,0 +1,149 @@
+"""One job through what ctj is bought for, on a real cluster: the chart installed with
+our operator image, the example job on our trainer image checkpointing to the S3 server
+in the cluster, a node lost (its container killed) and back, a `kubectl scale`, a delete.
+
+Each step waits on a condition the user would watch (`kubectl get ctj`, the trainer's
+log); the node-loss step records the time from the kill to the first training step after
+the restore into $CTJ_E2E_RESULTS (docs/e2e.md quotes it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import pytest
+from ctj_stack import NodeControl, Stack
+
+JOB = "demo"
+# Long enough never to finish during the test; slow enough to read, fast enough to save
+# every few seconds (the example saves every 10 steps).
+TRAINING = {"CTJ_TOTAL_STEPS": "1000000", "CTJ_STEP_DELAY_S": "0.2"}
+
+
+def _record(result: dict[str, Any]) -> None:
+    path = os.environ.get("CTJ_E2E_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+@pytest.mark.incremental
+class TestJobLifecycle:
+    state: dict[str, Any] = {}
+
+    def test_the_chart_runs_the_operator_with_its_own_rbac(
+        self, stack: Stack, operator_installed: str
+    ) -> None:
+        deployment = stack.apps.read_namespaced_deployment("ctj", operator_installed)
+        assert deployment.status.ready_replicas == 1
+        account = deployment.spec.template.spec.service_account_name
+        who = f"--as=system:serviceaccount:{operator_installed}:{account}"
+        can = {
+            verb: stack.kubectl("auth", "can-i", *verb.split(), who, "-A").strip()
+            for verb in ("create pods", "patch checkpointedtrainingjobs.training.ctj.dev/status",
+                         "create secrets", "get secrets", "delete nodes")
+        }  # fmt: skip
+        assert can == {
+            "create pods": "yes",
+            "patch checkpointedtrainingjobs.training.ctj.dev/status": "yes",
+            "create secrets": "yes",
+            "get secrets": "no",
+            "delete nodes": "no",
+        }
+
+    def test_the_example_job_commits_checkpoints(
+        self, stack: Stack, operator_installed: str, job_namespace: str
+    ) -> None:
+        ns = job_namespace
+        stack.apply_job(ns, stack.example_job(**TRAINING))
+
+        def committed() -> dict[str, Any] | None:
+            st = stack.running(ns, JOB, 3)
+            return st if st and (st.get("lastCheckpoint") or {}).get("step", 0) >= 20 else None
+
+        st = stack.wait(committed, "3 pods running, a checkpoint committed", 600,
+                        lambda: stack.describe(ns, JOB))  # fmt: skip
+        table = stack.kubectl("get", "ctj", JOB, "-n", ns).splitlines()
+        header, row = table[0].split(), dict(zip(table[0].split(), table[1].split(), strict=False))
+        assert "STEP" in header and int(row["STEP"]) >= st["lastCheckpoint"]["step"]
+        assert row["PHASE"] == "Running" and row["WORLD"] == "3"
+        self.state["attempt"] = st["attempt"]
+
+    def test_a_lost_node_restarts_the_job_at_two_from_its_last_checkpoint(
+        self, stack: Stack, job_namespace: str, node_control: NodeControl | None
+    ) -> None:
+        if node_control is None:
+            pytest.skip("CTJ_E2E_NODE_STOP/START are not set: no way to stop a node here")
+        ns, attempt = job_namespace, self.state["attempt"]
+        pods = stack.attempt_pods(ns, JOB, attempt)
+        victim = stack.victim(ns, JOB, attempt)
+        node = stack.node_of(victim)
+        before = {p.metadata.name: stack.trainer_events(ns, p.metadata.name) for p in pods}
+        committed_before = stack.status(ns, JOB)["lastCheckpoint"]["step"]
+        killed_at = time.time()
+        stack.log(f"stopping node {node} (it runs {victim.metadata.name})")
+        node_control.stop_node(node)
+        self.state["node"] = node
+
+        st = stack.wait_running(ns, JOB, 2, after=attempt)
+        restored = stack.restored(ns, JOB, st["attempt"], 2)
+        steps = {r["step"] for r, _ in restored}
+        assert len(steps) == 1, f"the ranks restored different steps: {steps}"
+        step = steps.pop()
+        assert step >= committed_before, "a committed checkpoint was lost"
+        for r, first in restored:
+            assert r["world_size"] == 2 and first["step"] == step + 1
+        for pod in stack.attempt_pods(ns, JOB, st["attempt"]):
+            assert stack.node_of(pod) != node
+        # the loss the restored model computes is the one the saved model computed
+        staged = {
+            e["step"]: e["eval_loss"]
+            for events in before.values()
+            for e in events
+            if e["event"] == "staged" and "eval_loss" in e
+        }
+        if step in staged:
+            assert restored[0][0]["eval_loss"] == pytest.approx(staged[step], rel=1e-4)
+        first_step_at = min(first["t"] for _, first in restored)
+        result = {
+            "scenario": "node_loss",
+            "kill_to_first_step_s": round(first_step_at - killed_at, 1),
+            "restored_step": step,
+            "committed_before_kill": committed_before,
+            "restore_seconds": max(r["seconds"] for r, _ in restored),
+            "bytes_by_tier": restored[0][0].get("bytes_by_tier"),
+        }
+        stack.log(f"node loss: {json.dumps(result)}")
+        _record(result)
+        self.state["attempt"] = st["attempt"]
+
+    def test_the_node_comes_back_and_the_job_grows_to_three(
+        self, stack: Stack, job_namespace: str, node_control: NodeControl | None
+    ) -> None:
+        if node_control is None:
+            pytest.skip("CTJ_E2E_NODE_STOP/START are not set: no way to stop a node here")
+        ns, attempt, node = job_namespace, self.state["attempt"], self.state["node"]
+        node_control.start_node(node)
+        stack.wait(lambda: stack.node_ready(node), f"node {node} Ready again", 300)
+        st = stack.wait_running(ns, JOB, 3, after=attempt)
+        restored = stack.restored(ns, JOB, st["attempt"], 3)
+        assert all(r["world_size"] == 3 and f["step"] == r["step"] + 1 for r, f in restored)
+        self.state["attempt"] = st["attempt"]
+
+    def test_kubectl_scale_resizes_the_job(self, stack: Stack, job_namespace: str) -> None:
+        ns, attempt = job_namespace, self.state["attempt"]
+        world = 2 if stack.status(ns, JOB)["worldSize"] == 3 else 3
+        stack.kubectl("scale", f"ctj/{JOB}", f"--replicas={world}", "-n", ns)
+        st = stack.wait_running(ns, JOB, world, after=attempt)
+        restored = stack.restored(ns, JOB, st["attempt"], world)
+        assert all(r["world_size"] == world for r, _ in restored)
+
+    def test_deleting_the_job_removes_every_child(self, stack: Stack, job_namespace: str) -> None:
+        ns = job_namespace
+        assert stack.children(ns, JOB), "the job has no children to remove"
+        stack.delete_job(ns, JOB)
+        stack.wait(lambda: not stack.children(ns, JOB), "every child of the job to go", 180,
+                   lambda: "\n".join(stack.children(ns, JOB)))  # fmt: skip

@@ -1,0 +1,97 @@
+"""ctj_stack's pure parts: what it reads from the environment, the job it applies, and
+what it never prints (no cluster here; tests/e2e runs it for real)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from ctj_stack import stack as st
+
+IMAGES = {
+    "CTJ_OPERATOR_IMAGE": "ctj/operator:abc",
+    "CTJ_TRAINER_IMAGE": "ctj/trainer:abc",
+    "CTJ_SEAWEEDFS_IMAGE": "ctj/seaweedfs:def",
+}
+
+
+def test_images_come_from_the_environment_and_a_missing_one_is_named() -> None:
+    assert st.Images.from_env(IMAGES) == st.Images("ctj/operator:abc", "ctj/trainer:abc",
+                                                   "ctj/seaweedfs:def")  # fmt: skip
+    with pytest.raises(ValueError, match="CTJ_TRAINER_IMAGE is not set.*images.sh"):
+        st.Images.from_env({k: v for k, v in IMAGES.items() if k != "CTJ_TRAINER_IMAGE"})
+
+
+@pytest.mark.parametrize(
+    ("image", "split"),
+    [("ctj/trainer:abc", ("ctj/trainer", "abc")),
+     ("localhost:5000/ctj/trainer:1.0", ("localhost:5000/ctj/trainer", "1.0"))],
+)  # fmt: skip
+def test_repo_tag_splits_at_the_tag_not_a_registry_port(image: str, split: tuple) -> None:
+    assert st._repo_tag(image) == split
+
+
+@pytest.mark.parametrize("image", ["ctj/trainer", "localhost:5000/ctj/trainer"])
+def test_an_image_without_a_tag_is_refused(image: str) -> None:
+    with pytest.raises(ValueError, match="no tag"):
+        st._repo_tag(image)
+
+
+def _bare_stack() -> st.Stack:
+    stack = st.Stack.__new__(st.Stack)
+    stack.images = st.Images.from_env(IMAGES)
+    return stack
+
+
+def test_the_example_job_runs_our_trainer_image_with_the_given_env() -> None:
+    job = _bare_stack().example_job(CTJ_TOTAL_STEPS="7", CTJ_NEW="x")
+    original = yaml.safe_load(st.EXAMPLE_JOB.read_text())
+    trainer = job["spec"]["template"]["spec"]["containers"][0]
+    assert trainer["image"] == "ctj/trainer:abc"
+    assert trainer["imagePullPolicy"] == "IfNotPresent"
+    env = {e["name"]: e["value"] for e in trainer["env"]}
+    assert env["CTJ_TOTAL_STEPS"] == "7" and env["CTJ_NEW"] == "x"
+    assert len(trainer["env"]) == len(env)  # replaced, not duplicated
+    # everything else is the example's own, pointing at the in-cluster S3 server
+    assert job["spec"]["checkpoint"] == original["spec"]["checkpoint"]
+    assert job["spec"]["checkpoint"]["endpoint"] == st.S3_ENDPOINT
+
+
+def test_the_s3_manifest_serves_the_bucket_the_example_uses() -> None:
+    objects = [o for o in yaml.safe_load_all(st.SEAWEEDFS_MANIFEST.read_text()) if o]
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    bucket = yaml.safe_load(st.EXAMPLE_JOB.read_text())["spec"]["checkpoint"]["uri"]
+    assert f"-bucket={bucket.split('/')[2]}" in args
+    service = next(o for o in objects if o["kind"] == "Service")
+    name, ns = service["metadata"]["name"], service["metadata"]["namespace"]
+    assert st.S3_ENDPOINT == f"http://{name}.{ns}:{service['spec']['ports'][0]['port']}"
+    assert "secretKey" not in st.SEAWEEDFS_MANIFEST.read_text().split("kind:")[-1]
+
+
+def test_credentials_are_random_and_never_in_their_repr() -> None:
+    a, b = st.S3Credentials(), st.S3Credentials()
+    assert a.access_key != b.access_key and a.secret_key != b.secret_key
+    assert a.secret_key not in repr(a) and a.access_key not in repr(a)
+    assert a.secret_key in a.identities_json()
+
+
+def test_node_control_quotes_the_node_name(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    nodes = st.NodeControl(
+        stop=f"echo stop {{node}} >> {out}", start=f"echo start {{node}} >> {out}"
+    )
+    nodes.stop_node("ctj-worker2; touch pwned")
+    nodes.start_node("ctj-worker2")
+    assert out.read_text().splitlines() == ["stop ctj-worker2; touch pwned", "start ctj-worker2"]
+    assert not (Path.cwd() / "pwned").exists()
+    with pytest.raises(subprocess.CalledProcessError):
+        st.NodeControl(stop="false", start="true").stop_node("n")
+
+
+def test_node_control_needs_both_commands() -> None:
+    assert st.NodeControl.from_env({"CTJ_E2E_NODE_STOP": "docker kill {node}"}) is None
+    both = {"CTJ_E2E_NODE_STOP": "a {node}", "CTJ_E2E_NODE_START": "b {node}"}
+    assert st.NodeControl.from_env(both) == st.NodeControl("a {node}", "b {node}")
