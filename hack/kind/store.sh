@@ -177,9 +177,9 @@ snapshot_dirs() {
   m="$("${CTR[@]}" snapshots --snapshotter overlayfs view --mounts "$key" "$top" 2>/dev/null \
        || "${CTR[@]}" snapshots --snapshotter overlayfs mounts /x "$key")"
   "${CTR[@]}" snapshots --snapshotter overlayfs rm "$key" >/dev/null 2>&1 || true
-  # JSON mounts: a bind of one dir, or overlay lowerdir=top:...:bottom
-  jq -r '.[0] | if .type == "bind" then .source else
-         (.options[] | select(startswith("lowerdir=")) | ltrimstr("lowerdir=") | split(":") | reverse | .[])
+  # JSON mounts ({Type, Source, Options}): a bind of one dir, or overlay lowerdir=top:...:bottom
+  jq -r '.[0] | if .Type == "bind" then .Source else
+         (.Options[] | select(startswith("lowerdir=")) | ltrimstr("lowerdir=") | split(":") | reverse | .[])
          end' <<<"$m"
 }
 
@@ -208,8 +208,8 @@ cmd_link() {
       fi
       key="ctj-link-$$-$i"
       mounts="$("${nctr[@]}" snapshots --snapshotter overlayfs prepare --mounts "$key" ${parent:+"$parent"})"
-      up="$(jq -r '.[0] | if .type == "bind" then .source else
-            (.options[] | select(startswith("upperdir=")) | ltrimstr("upperdir=")) end' <<<"$mounts")"
+      up="$(jq -r '.[0] | if .Type == "bind" then .Source else
+            (.Options[] | select(startswith("upperdir=")) | ltrimstr("upperdir=")) end' <<<"$mounts")"
       [[ "$up" == "$in_node_root"/* ]] || die "unexpected snapshot path $up in $node"
       up="$dir/${up#"$in_node_root"/}"
       [ -d "$up" ] && [ -z "$(ls -A "$up")" ] || die "$up is not an empty snapshot dir"
