@@ -3,7 +3,13 @@
 # a big image (ctj's trainer: ~6 GB) is held once on disk however many nodes there are.
 #
 #   store.sh add IMAGE...            put local Docker images into the store (skips those whose
-#                                    Docker image ID is already there)
+#                                    Docker image ID is already there). Docker's overlay2 layer
+#                                    directories are unpacked layers already: each missing layer
+#                                    becomes a snapshot filled with hardlinks to Docker's own
+#                                    files (no copy, no `docker save`); the image record is made
+#                                    from Docker's config blob. Where that cannot work (another
+#                                    storage driver, another filesystem) or with
+#                                    CTJ_KIND_STORE_IMPORT=save: `docker save | ctr import`.
 #   store.sh clone DIR               make DIR a node's /var/lib/containerd: `cp -al` of the store
 #                                    (image snapshots are read-only overlay lowerdirs, so nodes
 #                                    can share their files) with real copies of the bolt DBs
@@ -114,6 +120,142 @@ describe() {
   printf '%s\t%s\t%s\n' "$target" "$chain" "$(jq '[.layers[].size] | add // 0' <<<"$manifest")"
 }
 
+# ---- snapshots and image records, through any containerd's ctr --------------------
+# C=(ctr command with -n k8s.io) and MAP_FROM/MAP_TO (the snapshot root as that containerd
+# sees it / as this host does) say which containerd: the store's (same paths) or a node's.
+
+# link_tree SRC DEST: `cp -al SRC/. DEST/`. link(2) refuses to cross mounts (EXDEV) even
+# within one filesystem, and here /var/lib/docker is a bind mount of a directory of the root
+# filesystem: then the links are made through one bind of that filesystem's root, in a
+# mount namespace of their own (nothing is mounted for anyone else).
+link_tree() {
+  local src="$1" dst="$2" ms md dev_s dev_d root_s root_d top view="$run_dir/fsview"
+  ms="$(findmnt -n -o TARGET -T "$src")"; md="$(findmnt -n -o TARGET -T "$dst")"
+  if [ "$ms" = "$md" ]; then cp -al "$src/." "$dst/"; return; fi
+  read -r dev_s root_s < <(findmnt -n -o MAJ:MIN,FSROOT -T "$src")
+  read -r dev_d root_d < <(findmnt -n -o MAJ:MIN,FSROOT -T "$dst")
+  [ "$dev_s" = "$dev_d" ] || { log "$src and $dst are on different filesystems"; return 1; }
+  top="$(findmnt -n -r -o TARGET,FSROOT,MAJ:MIN | awk -v d="$dev_s" '$3 == d && $2 == "/" { print $1; exit }')"
+  [ -n "$top" ] || { log "no mount of the whole filesystem $dev_s"; return 1; }
+  # paths from the filesystem's root
+  src="${root_s%/}/${src#"${ms%/}"/}"; dst="${root_d%/}/${dst#"${md%/}"/}"
+  mkdir -p "$view"
+  unshare -m --propagation private sh -c 'mount --bind "$1" "$2" && cp -al "$2$3/." "$2$4/"' \
+    _ "$top" "$view" "$src" "$dst"
+}
+
+# fill_chain CHAIN_CSV SRC_DIR...: for each layer (bottom first) whose chain ID is not a
+# snapshot yet: prepare one on its parent, hardlink SRC_DIR's files into it, commit it
+# under the chain ID (a GC root until an image refers to it). Prints how many were new.
+fill_chain() {
+  local chain_csv="$1"; shift
+  local srcs=("$@") ids i c parent="" key mounts up new=0
+  IFS=, read -r -a ids <<<"$chain_csv"
+  (( ${#srcs[@]} == ${#ids[@]} )) || die "${#ids[@]} layers but ${#srcs[@]} directories"
+  for i in "${!ids[@]}"; do
+    c="${ids[$i]}"
+    if "${C[@]}" snapshots --snapshotter overlayfs info "$c" >/dev/null 2>&1; then
+      parent="$c"; continue
+    fi
+    key="ctj-fill-$$-$i"
+    mounts="$("${C[@]}" snapshots --snapshotter overlayfs prepare --mounts "$key" ${parent:+"$parent"})"
+    # {Type, Source, Options}: a bind of the new dir (no parent), or an overlay's upperdir
+    up="$(jq -r '.[0] | if .Type == "bind" then .Source else
+          (.Options[] | select(startswith("upperdir=")) | ltrimstr("upperdir=")) end' <<<"$mounts")"
+    [[ "$up" == "$MAP_FROM"/* ]] || die "unexpected snapshot path $up"
+    up="$MAP_TO/${up#"$MAP_FROM"/}"
+    if [ ! -d "$up" ] || [ -n "$(ls -A "$up")" ]; then
+      "${C[@]}" snapshots --snapshotter overlayfs rm "$key" >/dev/null 2>&1 || true
+      die "$up is not an empty snapshot directory"
+    fi
+    if ! link_tree "${srcs[$i]}" "$up"; then
+      "${C[@]}" snapshots --snapshotter overlayfs rm "$key" >/dev/null 2>&1 || true
+      die "hardlinking ${srcs[$i]} into $up failed"
+    fi
+    "${C[@]}" snapshots --snapshotter overlayfs commit "$c" "$key"
+    "${C[@]}" snapshots --snapshotter overlayfs label "$c" "containerd.io/gc.root=ctj-fill" >/dev/null
+    parent="$c"; new=$((new + 1))
+  done
+  echo "$new"
+}
+unroot_chain() {
+  local c ids
+  IFS=, read -r -a ids <<<"$1"
+  for c in "${ids[@]}"; do
+    "${C[@]}" snapshots --snapshotter overlayfs label "$c" "containerd.io/gc.root=" >/dev/null 2>&1 || true
+  done
+}
+
+# import_record NAME MANIFEST_FILE CONFIG_FILE: the image record, from an OCI archive with
+# the manifest and config only; the unpack that follows finds every layer in place.
+import_record() {
+  local name="$1" manifest="$2" config="$3" tmp md cd mt
+  tmp="$(mktemp -d)"
+  mkdir -p "$tmp/blobs/sha256"
+  md="sha256:$(sha256sum < "$manifest" | cut -c1-64)"
+  cd="sha256:$(sha256sum < "$config" | cut -c1-64)"
+  cp "$manifest" "$tmp/blobs/sha256/${md#sha256:}"
+  cp "$config" "$tmp/blobs/sha256/${cd#sha256:}"
+  printf '{"imageLayoutVersion":"1.0.0"}' > "$tmp/oci-layout"
+  mt="$(jq -r '.mediaType // "application/vnd.oci.image.manifest.v1+json"' "$manifest")"
+  jq -n --arg d "$md" --arg n "$name" --arg mt "$mt" --argjson s "$(stat -c %s "$manifest")" \
+    '{schemaVersion: 2, manifests: [{mediaType: $mt, digest: $d, size: $s,
+      annotations: {"io.containerd.image.name": $n, "org.opencontainers.image.ref.name": ($n | split(":") | last)}}]}' \
+    > "$tmp/index.json"
+  tar -C "$tmp" -cf - oci-layout index.json blobs \
+    | "${C[@]}" images import --all-platforms --snapshotter=overlayfs - >/dev/null
+  rm -rf "$tmp"
+}
+
+# ---- add ------------------------------------------------------------------------------
+docker_root=""
+# docker_dirs IMG ID: prints the image's overlay2 layer directories, bottom first, when its
+# layers can be hardlinked from Docker's storage (returns 1 otherwise: docker save it)
+docker_dirs() {
+  local img="$1" id="$2" info dirs=() d
+  info="$("$DOCKER" image inspect -f '{{json .}}' "$img")" || return 1
+  [ "$(jq -r '.GraphDriver.Name' <<<"$info")" = overlay2 ] || return 1
+  # UpperDir is the top layer, LowerDir the rest, top first
+  mapfile -t dirs < <(jq -r '[.GraphDriver.Data.UpperDir] + ((.GraphDriver.Data.LowerDir // "") | split(":"))
+    | map(select(. != "")) | reverse | .[]' <<<"$info")
+  (( ${#dirs[@]} == $(jq '.RootFS.Layers | length' <<<"$info") )) || return 1
+  for d in "${dirs[@]}"; do [ -d "$d" ] || return 1; done
+  # hardlinks need one filesystem
+  [ "$(stat -c %d "${dirs[0]}")" = "$(stat -c %d "$root")" ] || return 1
+  local cfg="$docker_root/image/overlay2/imagedb/content/sha256/${id#sha256:}"
+  [ -f "$cfg" ] && [ "sha256:$(sha256sum < "$cfg" | cut -c1-64)" = "$id" ] || return 1
+  printf '%s\n' "${dirs[@]}"
+}
+
+# add_from_docker IMG NAME ID DIR...: the image's layers straight from Docker's overlay2
+# directories (docker_dirs), its record from Docker's config blob
+add_from_docker() {
+  local img="$1" name="$2" id="$3"; shift 3
+  local dirs=("$@") diffs chain="" prev="" d i tmp
+  local cfg="$docker_root/image/overlay2/imagedb/content/sha256/${id#sha256:}"
+  mapfile -t diffs < <("$DOCKER" image inspect -f '{{range .RootFS.Layers}}{{println .}}{{end}}' "$img" | sed '/^$/d')
+  local ids=() sizes=()
+  for d in "${diffs[@]}"; do
+    if [ -z "$prev" ]; then prev="$d"; else prev="sha256:$(printf '%s %s' "$prev" "$d" | sha256sum | cut -c1-64)"; fi
+    ids+=("$prev")
+    sizes+=("$(cat "$docker_root/image/overlay2/layerdb/sha256/${prev#sha256:}/size" 2>/dev/null || echo 0)")
+  done
+  chain="$(IFS=,; echo "${ids[*]}")"
+  local new
+  new="$(fill_chain "$chain" "${dirs[@]}")"
+  tmp="$(mktemp)"
+  jq -n --arg cd "$id" --argjson cs "$(stat -c %s "$cfg")" \
+    --argjson layers "$(for i in "${!diffs[@]}"; do printf '{"d":"%s","s":%s}\n' "${diffs[$i]}" "${sizes[$i]}"; done | jq -s .)" \
+    '{schemaVersion: 2, mediaType: "application/vnd.docker.distribution.manifest.v2+json",
+      config: {mediaType: "application/vnd.docker.container.image.v1+json", size: $cs, digest: $cd},
+      layers: [$layers[] | {mediaType: "application/vnd.docker.image.rootfs.diff.tar", size: .s, digest: .d}]}' \
+    > "$tmp"
+  import_record "$name" "$tmp" "$cfg"
+  rm -f "$tmp"
+  unroot_chain "$chain"
+  log "$name: from Docker's layers ($new of ${#ids[@]} new, hardlinked)"
+}
+
 cmd_add() {
   local want=() img id name
   for img in "$@"; do
@@ -123,13 +265,29 @@ cmd_add() {
   done
   (( ${#want[@]} )) || return 0
   start_store
-  local start size
+  C=("${CTR[@]}") MAP_FROM="$root" MAP_TO="$root"
+  docker_root="$("$DOCKER" info -f '{{.DockerRootDir}}')"
+  local start size saved=()
   start=$(date +%s)
   size="$("$DOCKER" image inspect -f '{{.Size}}' "${want[@]}" | awk '{ s += $1 } END { printf "%.1f", s / 1e9 }')"
-  log "importing ${want[*]} (${size} GB as Docker counts it) into the store"
-  "$DOCKER" save "${want[@]}" \
-    | nice -n "${CTJ_BUILD_NICE:-10}" "${CTR[@]}" images import --all-platforms --digests \
-        --snapshotter=overlayfs - >/dev/null
+  log "adding ${want[*]} (${size} GB as Docker counts it) to the store"
+  for img in "${want[@]}"; do
+    name="$(normalize "$img")"
+    id="$("$DOCKER" image inspect -f '{{.Id}}' "$img")"
+    local dirs
+    if [ "${CTJ_KIND_STORE_IMPORT:-}" != save ] && dirs="$(docker_dirs "$img" "$id")"; then
+      mapfile -t dirs <<<"$dirs"
+      add_from_docker "$img" "$name" "$id" "${dirs[@]}"
+    else
+      saved+=("$img")
+    fi
+  done
+  if (( ${#saved[@]} )); then
+    log "docker save | ctr import: ${saved[*]}"
+    "$DOCKER" save "${saved[@]}" \
+      | nice -n "${CTJ_BUILD_NICE:-10}" "${CTR[@]}" images import --all-platforms --digests \
+          --snapshotter=overlayfs - >/dev/null
+  fi
   for img in "${want[@]}"; do
     name="$(normalize "$img")"
     id="$("$DOCKER" image inspect -f '{{.Id}}' "$img")"
@@ -140,7 +298,7 @@ cmd_add() {
     mv "$index.tmp" "$index"
   done
   discard_layers
-  log "imported in $(( $(date +%s) - start ))s"
+  log "added in $(( $(date +%s) - start ))s"
 }
 
 # the layer blobs of every image: unpacked snapshots are all a node needs
@@ -152,7 +310,7 @@ discard_layers() {
       "${CTR[@]}" content rm "$d" >/dev/null 2>&1 || true
     done
   done
-  # the digest-named records --digests adds, and ingests an interrupted import left
+  # the digest-named records `ctr import --digests` adds
   "${CTR[@]}" images ls -q | grep -E '^import-[0-9-]+@sha256:' | xargs -r "${CTR[@]}" images rm >/dev/null 2>&1 || true
 }
 
@@ -171,13 +329,12 @@ cmd_clone() {
   mv "$dest.tmp" "$dest"
 }
 
-# snapshot_dirs NAME: the store's snapshot directories of NAME's layers, bottom first
+# snapshot_dirs CHAIN_ID: the store's snapshot directories of that chain, bottom first
 snapshot_dirs() {
   local top="$1" key="ctj-view-$$" m
-  m="$("${CTR[@]}" snapshots --snapshotter overlayfs view --mounts "$key" "$top" 2>/dev/null \
-       || "${CTR[@]}" snapshots --snapshotter overlayfs mounts /x "$key")"
+  m="$("${CTR[@]}" snapshots --snapshotter overlayfs view --mounts "$key" "$top")"
   "${CTR[@]}" snapshots --snapshotter overlayfs rm "$key" >/dev/null 2>&1 || true
-  # JSON mounts ({Type, Source, Options}): a bind of one dir, or overlay lowerdir=top:...:bottom
+  # a bind of one dir, or an overlay's lowerdir=top:...:bottom
   jq -r '.[0] | if .Type == "bind" then .Source else
          (.Options[] | select(startswith("lowerdir=")) | ltrimstr("lowerdir=") | split(":") | reverse | .[])
          end' <<<"$m"
@@ -185,62 +342,29 @@ snapshot_dirs() {
 
 cmd_link() {
   local node="$1" dir="$2"; shift 2
-  local nctr=("$DOCKER" exec -i "$node" ctr -n k8s.io) img name line
+  local img name line id target chain top dirs=() new tmp_m tmp_c
   for img in "$@"; do
     name="$(normalize "$img")"
     line="$(indexed "$name")"
     [ -n "$line" ] || die "$img is not in the store"
-    local id target chain
     IFS=$'\t' read -r _ id target chain _ <<<"$line"
-    if "${nctr[@]}" images ls -q "name==$name" 2>/dev/null | grep -qx "$name" \
-       && [ "$("${nctr[@]}" images ls "name==$name" | awk 'NR > 1 { print $3 }')" = "$target" ]; then
+    C=("$DOCKER" exec -i "$node" ctr -n k8s.io)
+    if [ "$("${C[@]}" images ls "name==$name" 2>/dev/null | awk 'NR > 1 { print $3 }')" = "$target" ]; then
       continue
     fi
-    IFS=, read -r -a chain_ids <<<"$chain"
-    local top="${chain_ids[${#chain_ids[@]}-1]}" dirs=() i parent="" key mounts up linked=0
     start_store
+    top="${chain##*,}"
+    C=("${CTR[@]}")
     mapfile -t dirs < <(snapshot_dirs "$top")
-    (( ${#dirs[@]} == ${#chain_ids[@]} )) || die "$name: ${#chain_ids[@]} layers but ${#dirs[@]} snapshot dirs"
-    for i in "${!chain_ids[@]}"; do
-      local c="${chain_ids[$i]}"
-      if "${nctr[@]}" snapshots --snapshotter overlayfs info "$c" >/dev/null 2>&1; then
-        parent="$c"; continue
-      fi
-      key="ctj-link-$$-$i"
-      mounts="$("${nctr[@]}" snapshots --snapshotter overlayfs prepare --mounts "$key" ${parent:+"$parent"})"
-      up="$(jq -r '.[0] | if .Type == "bind" then .Source else
-            (.Options[] | select(startswith("upperdir=")) | ltrimstr("upperdir=")) end' <<<"$mounts")"
-      [[ "$up" == "$in_node_root"/* ]] || die "unexpected snapshot path $up in $node"
-      up="$dir/${up#"$in_node_root"/}"
-      [ -d "$up" ] && [ -z "$(ls -A "$up")" ] || die "$up is not an empty snapshot dir"
-      cp -al "${dirs[$i]}/." "$up/"
-      "${nctr[@]}" snapshots --snapshotter overlayfs commit "$c" "$key"
-      # a GC root until the image record refers to it
-      "${nctr[@]}" snapshots --snapshotter overlayfs label "$c" "containerd.io/gc.root=ctj-link" >/dev/null
-      parent="$c"; linked=$((linked + 1))
-    done
-    # the image record: an OCI archive with the manifest and config only; the unpack
-    # that follows the import finds every layer's snapshot in place
-    local tmp m cfg
-    tmp="$(mktemp -d)"
-    mkdir -p "$tmp/blobs/sha256"
-    m="$("${CTR[@]}" content get "$target")"
-    printf '%s' "$m" > "$tmp/blobs/sha256/${target#sha256:}"
-    cfg="$(jq -r '.config.digest' <<<"$m")"
-    "${CTR[@]}" content get "$cfg" > "$tmp/blobs/sha256/${cfg#sha256:}"
-    printf '{"imageLayoutVersion":"1.0.0"}' > "$tmp/oci-layout"
-    jq -n --arg d "$target" --arg n "$name" --arg mt "$(jq -r '.mediaType // "application/vnd.oci.image.manifest.v1+json"' <<<"$m")" \
-      --argjson s "$(stat -c %s "$tmp/blobs/sha256/${target#sha256:}")" \
-      '{schemaVersion: 2, manifests: [{mediaType: $mt, digest: $d, size: $s,
-        annotations: {"io.containerd.image.name": $n, "org.opencontainers.image.ref.name": ($n | split(":") | last)}}]}' \
-      > "$tmp/index.json"
-    tar -C "$tmp" -cf - oci-layout index.json blobs \
-      | "${nctr[@]}" images import --all-platforms --snapshotter=overlayfs - >/dev/null
-    rm -rf "$tmp"
-    for c in "${chain_ids[@]}"; do
-      "${nctr[@]}" snapshots --snapshotter overlayfs label "$c" "containerd.io/gc.root=" >/dev/null 2>&1 || true
-    done
-    log "$node: $name linked (${linked} of ${#chain_ids[@]} layers were new)"
+    tmp_m="$(mktemp)" tmp_c="$(mktemp)"
+    "${CTR[@]}" content get "$target" > "$tmp_m"
+    "${CTR[@]}" content get "$(jq -r '.config.digest' "$tmp_m")" > "$tmp_c"
+    C=("$DOCKER" exec -i "$node" ctr -n k8s.io) MAP_FROM="$in_node_root" MAP_TO="$dir"
+    new="$(fill_chain "$chain" "${dirs[@]}")"
+    import_record "$name" "$tmp_m" "$tmp_c"
+    unroot_chain "$chain"
+    rm -f "$tmp_m" "$tmp_c"
+    log "$node: $name linked ($new of $(tr , '\n' <<<"$chain" | wc -l) layers were new)"
   done
 }
 
