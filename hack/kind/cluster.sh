@@ -215,6 +215,8 @@ cmd_prune() {
 }
 
 sub="${1:-}"; shift || true
+# one up/load/down/prune at a time per cluster (the store has a lock of its own)
+case "$sub" in up|load|down|prune) mkdir -p "$state"; exec 8>"$state/$cluster.lock"; flock 8 ;; esac
 case "$sub" in
   up) cmd_up ;;
   load) cmd_load "$@" ;;
