@@ -74,6 +74,16 @@ healthy() {
   routes="$(kubectl -n kube-system get ds ctj-kind-routes --request-timeout=5s \
     -o jsonpath='{.status.numberReady}/{.status.desiredNumberScheduled}' 2>/dev/null || true)"
   HEALTH="nodes Ready $ready/$want, coredns ${dns:-?}, ctj-kind-routes ${routes:-?}"
+  if [ -n "${SINCE:-}" ]; then
+    # nodes just started: a Ready condition can be the one from before they stopped; a
+    # kubelet that renewed its Lease since then is the new one
+    local renewed
+    renewed="$(kubectl -n kube-node-lease get lease --request-timeout=5s \
+      -o jsonpath='{range .items[*]}{.spec.renewTime}{"\n"}{end}' 2>/dev/null \
+      | while read -r t; do [ "$(date -u -d "$t" +%s 2>/dev/null || echo 0)" -lt "$SINCE" ] || echo x; done | grep -c x || true)"
+    HEALTH+=", kubelets back $renewed/$want"
+    [ "$renewed" = "$want" ] || return 1
+  fi
   [ "$ready" = "$want" ] && all_of "$dns" && all_of "$routes"
 }
 # all_of N/M: N == M > 0
@@ -150,7 +160,11 @@ cmd_up() {
     for n in $(node_names); do
       [ "$("$DOCKER" inspect -f '{{.State.Running}}' "$n" 2>/dev/null)" = true ] || stopped+=("$n")
     done
-    if (( ${#stopped[@]} )); then log "starting stopped nodes: ${stopped[*]}"; "$DOCKER" start "${stopped[@]}" >/dev/null; fi
+    if (( ${#stopped[@]} )); then
+      log "starting stopped nodes: ${stopped[*]}"
+      SINCE=$(date -u +%s)
+      "$DOCKER" start "${stopped[@]}" >/dev/null
+    fi
     "$KIND" get kubeconfig --name "$cluster" > "$kubeconfig.tmp" && mv "$kubeconfig.tmp" "$kubeconfig"
     [ -f "$state/$cluster.inputs" ] || inputs_key > "$state/$cluster.inputs"  # no record: adopt it
     if [ "$(cat "$state/$cluster.inputs")" != "$(inputs_key)" ]; then
