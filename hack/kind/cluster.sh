@@ -83,6 +83,17 @@ healthy() {
       | while read -r t; do [ "$(date -u -d "$t" +%s 2>/dev/null || echo 0)" -lt "$SINCE" ] || echo x; done | grep -c x || true)"
     HEALTH+=", kubelets back $renewed/$want"
     [ "$renewed" = "$want" ] || return 1
+    # and the pods Services and DNS need, Ready again since the start (their old Ready
+    # conditions, and the Deployment's counts, say nothing yet)
+    local sel pods
+    for sel in k8s-app=kube-dns k8s-app=kube-proxy k8s-app=ctj-kind-routes; do
+      pods="$(kubectl -n kube-system get pods -l "$sel" --request-timeout=5s -o \
+        jsonpath='{range .items[*]}{.status.conditions[?(@.type=="Ready")].status} {.status.conditions[?(@.type=="Ready")].lastTransitionTime}{"\n"}{end}' 2>/dev/null \
+        | while read -r st t; do
+            if [ "$st" = True ] && [ "$(date -u -d "$t" +%s 2>/dev/null || echo 0)" -ge "$SINCE" ]; then echo ok; else echo old; fi
+          done)"
+      if [ -z "$pods" ] || grep -q old <<<"$pods"; then HEALTH+=", ${sel#k8s-app=} pods not Ready again"; return 1; fi
+    done
   fi
   [ "$ready" = "$want" ] && all_of "$dns" && all_of "$routes"
 }
