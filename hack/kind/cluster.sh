@@ -8,6 +8,7 @@
 #                                      into the shared store once, hardlinked into each node
 #                                      (kept across down/up); --copy: plain `kind load
 #                                      docker-image` instead (a full copy per node)
+#   hack/kind/cluster.sh unload IMAGE... remove images from every node and from the store
 #   hack/kind/cluster.sh down          delete the cluster (the store and the images stay)
 #   hack/kind/cluster.sh status        the nodes, and whether the cluster is usable (exit 0) or not
 #   hack/kind/cluster.sh prune [IMAGE...]  drop from the store every loaded image not named
@@ -205,6 +206,7 @@ cmd_load() {
   start=$(date +%s)
   if (( copy )); then
     "$KIND" load docker-image --name "$cluster" "$@" >&2
+    for n in $(node_names); do discard_layer_blobs "$n"; done
   else
     "$kind_dir/store.sh" add "$@"
     for n in $(node_names); do
@@ -212,6 +214,40 @@ cmd_load() {
     done
   fi
   log "loaded $* in $(( $(date +%s) - start ))s"
+}
+
+# discard_layer_blobs NODE: drop the layer blobs of every image in NODE's containerd (what
+# kind's discard_unpacked_layers does for pulls; `kind load` keeps them): containers run
+# from the unpacked snapshots, and the blobs double the disk an image takes
+discard_layer_blobs() {
+  "$DOCKER" exec "$1" sh -c '
+    c="ctr -n k8s.io"
+    for t in $($c images ls | awk "NR > 1 { print \$3 }" | sort -u); do
+      m="$($c content get "$t" 2>/dev/null)" || continue
+      for sub in $(echo "$m" | jq -r ".manifests[]?.digest"); do
+        $c content get "$sub" 2>/dev/null | jq -r ".layers[]?.digest"
+      done
+      echo "$m" | jq -r ".layers[]?.digest"
+    done | sort -u | xargs -r $c content rm >/dev/null 2>&1 || true' || true
+}
+
+# unload IMAGE...: remove images from every node (all their tags: crictl rmi by image ID;
+# the kubelet's own references included) and from the store
+cmd_unload() {
+  (( $# )) || die "usage: $0 unload IMAGE..."
+  tools --check || die "nothing built yet"
+  local img n id
+  for img in "$@"; do
+    for n in $(node_names); do
+      id="$("$DOCKER" exec "$n" crictl inspecti -o go-template --template '{{.status.id}}' "$img" 2>/dev/null || true)"
+      [ -z "$id" ] || "$DOCKER" exec "$n" crictl rmi "$id" >/dev/null
+      # `kind load` leaves an import-<date>@sha256:... record behind
+      "$DOCKER" exec "$n" sh -c 'ctr -n k8s.io images ls -q | grep -E "^import-[0-9-]+@sha256:" | xargs -r ctr -n k8s.io images rm' >/dev/null 2>&1 || true
+    done
+  done
+  for n in $(node_names); do discard_layer_blobs "$n"; done
+  "$kind_dir/store.sh" drop "$@"
+  log "unloaded $*"
 }
 
 cmd_down() {
@@ -241,10 +277,11 @@ cmd_prune() {
 
 sub="${1:-}"; shift || true
 # one up/load/down/prune at a time per cluster (the store has a lock of its own)
-case "$sub" in up|load|down|prune) mkdir -p "$state"; exec 8>"$state/$cluster.lock"; flock 8 ;; esac
+case "$sub" in up|load|unload|down|prune) mkdir -p "$state"; exec 8>"$state/$cluster.lock"; flock 8 ;; esac
 case "$sub" in
   up) cmd_up ;;
   load) cmd_load "$@" ;;
+  unload) cmd_unload "$@" ;;
   down) cmd_down ;;
   status) cmd_status ;;
   prune) cmd_prune "$@" ;;

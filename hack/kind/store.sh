@@ -22,7 +22,9 @@
 #                                    every layer already there
 #   store.sh list                    the images in the store (name, Docker image ID, size)
 #   store.sh prune [IMAGE...]        drop every image not named (and what only it used)
-#   store.sh du                      disk used by the store and the node copies, hardlinks once
+#   store.sh drop IMAGE...           drop the images named
+#   store.sh du [--docker]           disk used by the store and the node copies, hardlinks once;
+#                                    --docker: and how much of it is beyond Docker's own layers
 #
 # The store is ${CTJ_CACHE:-~/.cache/ctj}/kind/store: root/ (a containerd root, written only by a
 # containerd this script starts on it with its own socket, never while it is being cloned:
@@ -385,11 +387,30 @@ cmd_prune() {
   done
 }
 
+cmd_drop() {
+  local n name
+  start_store
+  for n in "$@"; do
+    name="$(normalize "$n")"
+    [ -n "$(indexed "$name")" ] || continue
+    "${CTR[@]}" images rm --sync "$name" >/dev/null 2>&1 || true
+    awk -F'\t' -v n="$name" '$1 != n' "$index" > "$index.tmp" && mv "$index.tmp" "$index"
+    log "dropped $name"
+  done
+}
+
 cmd_du() {
   local dirs=("$root") d
   for d in "$cache"/kind/nodes/*/*/containerd; do [ -d "$d" ] && dirs+=("$d"); done
   du -sh "${dirs[@]}" 2>/dev/null | sed "s#$cache/##"
-  du -shc "${dirs[@]}" 2>/dev/null | tail -n1 | sed 's/total/total on disk (each file once)/'
+  du -shc "${dirs[@]}" 2>/dev/null | tail -n1 | sed 's/total/total, each file once/'
+  if [ "${1:-}" = --docker ]; then
+    # the store's files are mostly Docker's own layer files: what kind adds to Docker's disk
+    local dk all
+    dk="$(du -sb "$("$DOCKER" info -f '{{.DockerRootDir}}')/overlay2" | cut -f1)"
+    all="$(du -sbc "$("$DOCKER" info -f '{{.DockerRootDir}}')/overlay2" "${dirs[@]}" 2>/dev/null | tail -n1 | cut -f1)"
+    awk -v a="$all" -v d="$dk" 'BEGIN { printf "%.2f GB\tbeyond what Docker holds itself (its overlay2: %.2f GB)\n", (a - d) / 1e9, d / 1e9 }'
+  fi
 }
 
 sub="${1:-}"; shift || true
@@ -399,6 +420,7 @@ case "$sub" in
   link) cmd_link "$@" ;;
   list) cmd_list ;;
   prune) cmd_prune "$@" ;;
-  du) cmd_du ;;
+  drop) cmd_drop "$@" ;;
+  du) cmd_du "$@" ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2 ;;
 esac
