@@ -155,6 +155,16 @@ class Stack:
     def kubectl(self, *args: str, stdin: str | None = None) -> str:
         return self._run([self.tools.kubectl, *args], stdin)
 
+    def can_i(self, account: str, *verb_resource: str) -> bool:
+        """``kubectl auth can-i ... --as=<account>`` in every namespace (exit 0 yes, 1 no)."""
+        proc = subprocess.run(
+            [self.tools.kubectl, "auth", "can-i", *verb_resource, f"--as={account}", "-A"],
+            text=True, capture_output=True, env=self._env(), check=False,
+        )  # fmt: skip
+        if proc.returncode not in (0, 1):
+            raise RuntimeError(f"kubectl auth can-i failed: {proc.stderr.strip()}")
+        return proc.returncode == 0
+
     def helm(self, *args: str) -> str:
         return self._run([self.tools.helm, *args], None)
 

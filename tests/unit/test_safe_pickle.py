@@ -8,6 +8,7 @@ ranks survive a pickle; a load failure is told apart by what it really is.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import os
@@ -197,7 +198,6 @@ def test_a_class_outside_the_list_is_refused_before_it_is_imported() -> None:
         ("torch", "save"),
         ("torch", "Tensor"),
         ("torch", "float32.__class__"),
-        ("builtins", "getattr"),
         ("collections", "Counter"),
         ("pathlib", "Path"),
     ],
@@ -208,6 +208,38 @@ def test_torch_names_resolve_only_to_dtypes_layouts_and_formats(module: str, nam
     unpickler = MetadataUnpickler(io.BytesIO(b""))
     assert unpickler.find_class("torch", "bfloat16") is torch.bfloat16
     assert unpickler.find_class("torch", "channels_last") is torch.channels_last
+
+
+class ByName:
+    """Pickles as ``getattr(target, name)``: how Python 3.11.2 pickles an enum member."""
+
+    def __init__(self, target: object, name: str) -> None:
+        self.target, self.name = target, name
+
+    def __reduce__(self) -> tuple[Any, tuple[object, str]]:
+        return getattr, (self.target, self.name)
+
+
+def test_an_enum_member_pickled_by_name_loads_as_itself() -> None:
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    for member in _MEM_FORMAT_ENCODING:
+        data = pickle.dumps({"format": ByName(_MEM_FORMAT_ENCODING, member.name)})
+        assert b"getattr" in data
+        assert MetadataUnpickler(io.BytesIO(data)).load() == {"format": member}
+
+
+@pytest.mark.parametrize(
+    ("target", "name"),
+    [(collections.OrderedDict, "fromkeys"), (Metadata, "__init__"), (MetadataIndex, "__class__"),
+     ("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING", "__class__"),
+     ("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING", "_member_map_")],
+)  # fmt: skip
+def test_getattr_is_only_an_enum_member_lookup(target: object, name: str) -> None:
+    if isinstance(target, str):
+        from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as target
+    with pytest.raises(pickle.UnpicklingError):
+        MetadataUnpickler(io.BytesIO(pickle.dumps(ByName(target, name)))).load()
 
 
 def test_layouts_resolve_by_name_only() -> None:

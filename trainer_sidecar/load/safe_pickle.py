@@ -17,6 +17,11 @@ state, through ctj's writer and DCP's FileSystemWriter) on the installed
 torch; tests/unit/test_safe_pickle.py re-derives it, so a torch upgrade that
 adds a global fails there first.
 
+Enum members pickle by value on most Pythons and as ``builtins.getattr(cls, name)``
+on others (Debian bookworm's 3.11.2 among them: the python:3.11 images), so a save
+from one may be read on the other. ``getattr`` resolves to a stand-in that looks up
+a member of an allowed enum by name and does nothing else.
+
 Allowing a class lets the pickle construct it with arguments of its choosing
 (and set its attributes), never anything more: every allowed class is a plain
 record, a tuple, a dict or an enum. The shape of what comes out is checked by
@@ -26,6 +31,7 @@ record, a tuple, a dict or an enum. The shape of what comes out is checked by
 from __future__ import annotations
 
 import collections
+import enum
 import io
 import pathlib
 import pickle
@@ -73,6 +79,20 @@ def _layout_by_name(name: object) -> torch.layout:
     raise pickle.UnpicklingError(f"{name!r} is not a torch layout")
 
 
+def _enum_member(cls: object, name: object) -> enum.Enum:
+    """Stands in for ``builtins.getattr`` (how some Pythons pickle an enum member): only
+    ``cls[name]`` for an allowed enum and one of its member names."""
+    allowed = isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in _ALLOWED_ENUMS
+    if allowed and isinstance(name, str) and name in cls.__members__:  # type: ignore[union-attr]
+        return cls.__members__[name]  # type: ignore[union-attr]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not an enum member lookup")
+
+
+_ALLOWED_ENUMS = tuple(
+    c for c in ALLOWED_CLASSES.values() if isinstance(c, type) and issubclass(c, enum.Enum)
+)
+
+
 class Refused(pickle.UnpicklingError):
     """The pickle names a global outside the allow-list (it was not imported or called)."""
 
@@ -94,6 +114,8 @@ class MetadataUnpickler(pickle.Unpickler):
             return allowed
         if module == "torch.serialization" and name == "_get_layout":
             return _layout_by_name
+        if module == "builtins" and name == "getattr":
+            return _enum_member
         if module == "torch" and name.isidentifier():  # dtypes, layouts, memory formats
             value = getattr(torch, name, None)
             if isinstance(value, _TORCH_VALUE_TYPES):
