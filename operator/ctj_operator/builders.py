@@ -167,6 +167,25 @@ def _node_cache(
         )
     sidecar["env"].append({"name": "CTJ_CACHE_PORT", "value": str(CACHE_PORT)})
     sidecar["ports"].append({"name": "peer-cache", "containerPort": CACHE_PORT})
+    # A kubelet makes a hostPath directory root's, mode 0755: our non-root containers could
+    # not write it, and the cache would turn itself off. One root step with no capability
+    # (the owner may chmod) opens it like /tmp; only this job's pods mount it.
+    pod_spec["initContainers"].insert(
+        0,
+        {
+            "name": "ctj-cache-permissions",
+            "image": sidecar["image"],
+            "command": ["chmod", "1777", CACHE_PATH],
+            "securityContext": {
+                "runAsUser": 0,
+                "runAsNonRoot": False,
+                "allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"]},
+            },
+            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+            "volumeMounts": [{"name": "ctj-cache", "mountPath": CACHE_PATH}],
+        },
+    )
 
 
 def _merge_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:

@@ -295,6 +295,15 @@ def test_the_node_cache_is_a_hostpath_per_job_in_both_containers_served_to_the_p
         assert {"name": "ctj-cache", "mountPath": builders.CACHE_PATH} in container["volumeMounts"]
     assert env_of(sidecar)["CTJ_CACHE_PORT"] == str(builders.CACHE_PORT)
     assert "CTJ_CACHE_PORT" not in env_of(trainer)
+    # the kubelet's root-owned directory is opened to the pod's users first, by a root
+    # step that holds no capability and mounts nothing else
+    first = spec["initContainers"][0]
+    assert first["name"] == "ctj-cache-permissions"
+    assert first["command"] == ["chmod", "1777", builders.CACHE_PATH]
+    assert first["securityContext"]["runAsUser"] == 0
+    assert first["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert first["volumeMounts"] == [{"name": "ctj-cache", "mountPath": builders.CACHE_PATH}]
+    assert first["image"] == sidecar["image"]
 
 
 def test_pytorchjob_peers_are_the_controllers_pod_services() -> None:
