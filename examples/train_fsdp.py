@@ -111,7 +111,7 @@ def main() -> None:
             loss.backward()
             opt.step()
             sampler.advance()  # the step is done: its samples count as consumed
-            log("step", step=step, loss=round(float(loss), 5), world_size=world,
+            log("step", step=step, loss=round(float(loss.detach()), 5), world_size=world,
                 samples=sampler.position)
             if step % save_every == 0:
                 state = {"step": step, "sampler": sampler.state_dict()}

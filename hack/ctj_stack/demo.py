@@ -73,8 +73,7 @@ def run(stack: Stack, nodes: NodeControl, keep: bool) -> None:
 
     st = stack.wait_running(NAMESPACE, JOB, 2, after=attempt)
     timeline(f"operator restarted the job: attempt {st['attempt']}, world size 2")
-    restored = stack.restored(NAMESPACE, JOB, int(st["attempt"]), 2)
-    r, first = restored[0]
+    r, first = stack.restored(NAMESPACE, JOB, int(st["attempt"]))
     staged = {
         e["step"]: e.get("eval_loss")
         for ev in before.values()
@@ -83,21 +82,20 @@ def run(stack: Stack, nodes: NodeControl, keep: bool) -> None:
     }
     timeline(f"restored step {r['step']} resharded 3 -> 2 in {r['seconds']:.2f}s "
              f"({r['bytes_fetched'] / 1e6:.1f} MB; by tier {r.get('bytes_by_tier')})",
-             min(x["t"] for x, _ in restored))  # fmt: skip
+             r["t"])  # fmt: skip
     loss_before = staged.get(r["step"])
     timeline(f"eval loss at step {r['step']}: {loss_before} before the loss, "
              f"{r['eval_loss']} after the restore")  # fmt: skip
-    first_at = min(f["t"] for _, f in restored)
     timeline(f"first step after the restore: {first['step']} "
-             f"(recovery: {first_at - killed_at:.1f}s from the kill)", first_at)  # fmt: skip
+             f"(recovery: {first['t'] - killed_at:.1f}s from the kill)", first["t"])  # fmt: skip
 
     nodes.start_node(node)
     timeline(f"node {node} started again")
     stack.wait(lambda: stack.node_ready(node), f"node {node} Ready", 300)
     grown = stack.wait_running(NAMESPACE, JOB, 3, after=int(st["attempt"]))
-    back = stack.restored(NAMESPACE, JOB, int(grown["attempt"]), 3)
+    back, _ = stack.restored(NAMESPACE, JOB, int(grown["attempt"]))
     timeline(f"job grew back to world size 3 (attempt {grown['attempt']}) from step "
-             f"{back[0][0]['step']}")  # fmt: skip
+             f"{back['step']}")  # fmt: skip
 
     kubeconfig = stack.kubeconfig
     print(

@@ -321,23 +321,26 @@ class Stack:
         return st
 
     def restored(
-        self, namespace: str, name: str, attempt: int, world: int
-    ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-        """Each pod of ``attempt``: its ``restored`` event and its first step after it."""
+        self, namespace: str, name: str, attempt: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Rank 0's ``restored`` event in ``attempt`` and its first step after it (the
+        example logs from rank 0 only; every rank loads the step rank 0 reports)."""
 
-        def seen() -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
-            out = []
-            for pod in self.attempt_pods(namespace, name, attempt):
-                events = self.trainer_events(namespace, pod.metadata.name)
-                restored = [e for e in events if e["event"] == "restored"]
-                steps = [e for e in events if e["event"] == "step"]
-                if not (restored and steps):
-                    return None
-                out.append((restored[0], steps[0]))
-            return out if len(out) == world else None
+        def seen() -> tuple[dict[str, Any], dict[str, Any]] | None:
+            pods = [
+                p
+                for p in self.attempt_pods(namespace, name, attempt)
+                if p.metadata.labels.get(f"{GROUP}/node-rank") == "0"
+            ]
+            if not pods:
+                return None
+            events = self.trainer_events(namespace, pods[0].metadata.name)
+            restored = [e for e in events if e["event"] == "restored"]
+            steps = [e for e in events if e["event"] == "step"]
+            return (restored[0], steps[0]) if restored and steps else None
 
-        found: list[tuple[dict[str, Any], dict[str, Any]]] = self.wait(
-            seen, f"attempt {attempt}'s {world} pods to restore and train", 240,
+        found: tuple[dict[str, Any], dict[str, Any]] = self.wait(
+            seen, f"attempt {attempt} to restore and train", 240,
             lambda: self.describe(namespace, name),
         )  # fmt: skip
         return found
