@@ -89,9 +89,10 @@ def run(stack: Stack, nodes: NodeControl, keep: bool) -> None:
     timeline(f"first step after the restore: {first['step']} "
              f"(recovery: {first['t'] - killed_at:.1f}s from the kill)", first["t"])  # fmt: skip
 
+    started = time.time()
     nodes.start_node(node)
     timeline(f"node {node} started again")
-    stack.wait(lambda: stack.node_ready(node), f"node {node} Ready", 300)
+    stack.wait(lambda: stack.node_back(node, started), f"node {node}'s kubelet back", 300)
     grown = stack.wait_running(NAMESPACE, JOB, 3, after=int(st["attempt"]))
     back, _ = stack.restored(NAMESPACE, JOB, int(grown["attempt"]))
     timeline(f"job grew back to world size 3 (attempt {grown['attempt']}) from step "

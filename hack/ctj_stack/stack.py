@@ -375,6 +375,18 @@ class Stack:
         nodes = self.core.list_node(label_selector=CONTROL_PLANE_LABEL).items
         return [n.metadata.name for n in nodes]
 
+    def node_back(self, node: str, since: float) -> bool:
+        """The node's kubelet renewed its Lease after ``since`` (a Ready condition can be
+        the one from before the node stopped, until the node-monitor grace period ends)."""
+        try:
+            lease = client.CoordinationV1Api(self.api_client).read_namespaced_lease(
+                node, "kube-node-lease"
+            )
+        except client.ApiException:
+            return False
+        renewed = lease.spec.renew_time
+        return bool(renewed and renewed.timestamp() > since and self.node_ready(node))
+
     def node_ready(self, node: str) -> bool:
         try:
             conditions = self.core.read_node(node).status.conditions or []

@@ -124,8 +124,9 @@ class TestJobLifecycle:
         if node_control is None:
             pytest.skip("CTJ_E2E_NODE_STOP/START are not set: no way to stop a node here")
         ns, attempt, node = job_namespace, self.state["attempt"], self.state["node"]
+        started = time.time()
         node_control.start_node(node)
-        stack.wait(lambda: stack.node_ready(node), f"node {node} Ready again", 300)
+        stack.wait(lambda: stack.node_back(node, started), f"node {node}'s kubelet back", 300)
         st = stack.wait_running(ns, JOB, 3, after=attempt)
         restored, first = stack.restored(ns, JOB, st["attempt"])
         assert restored["world_size"] == 3 and first["step"] == restored["step"] + 1
