@@ -84,8 +84,9 @@ def run(stack: Stack, nodes: NodeControl, keep: bool) -> None:
              f"({r['bytes_fetched'] / 1e6:.1f} MB; by tier {r.get('bytes_by_tier')})",
              r["t"])  # fmt: skip
     loss_before = staged.get(r["step"])
-    timeline(f"eval loss at step {r['step']}: {loss_before} before the loss, "
-             f"{r['eval_loss']} after the restore")  # fmt: skip
+    same = "==" if loss_before == r["eval_loss"] else "!="
+    timeline(f"eval loss at step {r['step']}: {r['eval_loss']:.5f} after the restore {same} "
+             f"{loss_before} logged when it was saved", r["t"])  # fmt: skip
     timeline(f"first step after the restore: {first['step']} "
              f"(recovery: {first['t'] - killed_at:.1f}s from the kill)", first["t"])  # fmt: skip
 
@@ -101,7 +102,7 @@ def run(stack: Stack, nodes: NodeControl, keep: bool) -> None:
     kubeconfig = stack.kubeconfig
     print(
         "\nwhere to look:\n"
-        f"  export KUBECONFIG={kubeconfig}\n"
+        f"  export KUBECONFIG={kubeconfig} PATH={Path(stack.tools.kubectl).parent}:$PATH\n"
         f"  kubectl get ctj -n {NAMESPACE} -w\n"
         f"  kubectl logs -n {NAMESPACE} -l training.ctj.dev/job-name={JOB} -c trainer\n"
         "  kubectl -n ctj-system port-forward svc/ctj 8080   # operator metrics: :8080/metrics\n"

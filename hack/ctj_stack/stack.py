@@ -3,6 +3,7 @@ and the Kubernetes API, with every wait a condition and a deadline."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -103,7 +104,8 @@ class NodeControl:
         return cls(stop, start) if stop and start else None
 
     def _run(self, template: str, node: str) -> None:
-        subprocess.run(template.format(node=shlex.quote(node)), shell=True, check=True)
+        command = template.format(node=shlex.quote(node))
+        subprocess.run(command, shell=True, check=True, stdout=subprocess.DEVNULL)
 
     def stop_node(self, node: str) -> None:
         self._run(self.stop, node)
@@ -213,14 +215,21 @@ class Stack:
         gateway can be reached."""
         self.log(f"S3 server: deploy/seaweedfs/seaweedfs.yaml ({self.images.seaweedfs})")
         objects = [o for o in yaml.safe_load_all(SEAWEEDFS_MANIFEST.read_text()) if o]
+        identities = credentials.identities_json()
         for obj in objects:
             if obj["kind"] == "Deployment":
-                for c in obj["spec"]["template"]["spec"]["containers"]:
+                template = obj["spec"]["template"]
+                for c in template["spec"]["containers"]:
                     c["image"] = self.images.seaweedfs
+                # the server reads its identities at start: new keys, a new pod
+                digest = hashlib.sha256(identities.encode()).hexdigest()[:16]
+                template["metadata"].setdefault("annotations", {})["ctj.dev/identities-sha256"] = (
+                    digest
+                )
         namespace = next(o for o in objects if o["kind"] == "Namespace")
         self.apply([namespace])
         self.apply([self._secret(S3_NAMESPACE, "seaweedfs-s3-identities",
-                                 {"s3.json": credentials.identities_json()})])  # fmt: skip
+                                 {"s3.json": identities})])  # fmt: skip
         self.apply([o for o in objects if o["kind"] != "Namespace"])
         self.kubectl("-n", S3_NAMESPACE, "rollout", "status", "deployment/seaweedfs",
                      "--timeout=180s")  # fmt: skip
