@@ -103,6 +103,18 @@ kubeflow_dir="$(recipe_dir kubeflow "$KUBEFLOW_TRAINING_OPERATOR_VERSION" "$hack
 seaweedfs_ldflags="-s -w"
 seaweedfs_dir="$(recipe_dir seaweedfs "$SEAWEEDFS_VERSION" "$hack/gomod/seaweedfs" "$seaweedfs_ldflags")"
 
+# etcd and the control plane's binaries: both modes need them (kind's images carry them)
+build_control_plane() {
+  if [ ! -f "$etcd_dir/.complete" ]; then
+    build etcd "$etcd_dir" "$hack/gomod/etcd" "$etcd_ldflags" .
+  fi
+  if [ ! -f "$k8s_dir/.complete" ]; then
+    build k8s "$k8s_dir" "$hack/gomod/k8s" "$k8s_ldflags" \
+      k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+      k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
+  fi
+}
+
 print_paths() {
   echo "CTJ_ETCD_BIN_DIR=$etcd_dir/bin"
   echo "CTJ_K8S_BIN_DIR=$k8s_dir/bin"
@@ -146,14 +158,7 @@ if [ "$mode" = "--kind" ] || [ "$mode" = "--kind-check" ]; then
     exit 0
   fi
   t0=$(date +%s)
-  if [ ! -f "$etcd_dir/.complete" ]; then
-    build etcd "$etcd_dir" "$hack/gomod/etcd" "$etcd_ldflags" .
-  fi
-  if [ ! -f "$k8s_dir/.complete" ]; then
-    build k8s "$k8s_dir" "$hack/gomod/k8s" "$k8s_ldflags" \
-      k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-      k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
-  fi
+  build_control_plane
   if [ ! -f "$kind_tools_dir/.complete" ]; then
     build kind-tools "$kind_tools_dir" "$kind_tools_src" "-s -w" ./cmd/pause ./cmd/ctj-kind-routes
   fi
@@ -190,14 +195,7 @@ fi
 if [ "$mode" != "build" ]; then log "usage: $0 [--check|--kind|--kind-check]"; exit 2; fi
 
 t0=$(date +%s)
-if [ ! -f "$etcd_dir/.complete" ]; then
-  build etcd "$etcd_dir" "$hack/gomod/etcd" "$etcd_ldflags" .
-fi
-if [ ! -f "$k8s_dir/.complete" ]; then
-  build k8s "$k8s_dir" "$hack/gomod/k8s" "$k8s_ldflags" \
-    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
-fi
+build_control_plane
 if [ ! -f "$helm_dir/.complete" ]; then
   build helm "$helm_dir" "$hack/gomod/helm" "$helm_ldflags" helm.sh/helm/v3/cmd/helm
 fi

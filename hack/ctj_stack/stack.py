@@ -130,6 +130,19 @@ class S3Credentials:
         return json.dumps({"identities": [identity]})
 
 
+def trainer_log_events(text: str) -> list[dict[str, Any]]:
+    """The JSON event lines of a trainer's log (examples/train_fsdp.py prints one per
+    event); other lines, and a line still being written, are skipped."""
+    events = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue
+    return events
+
+
 class Stack:
     """One cluster: install, apply, read back. ``log`` gets one line per step."""
 
@@ -307,14 +320,7 @@ class Stack:
             text = self.core.read_namespaced_pod_log(pod, namespace, container=container)
         except client.ApiException:
             return []
-        events = []
-        for line in text.splitlines():
-            if line.startswith("{"):
-                try:
-                    events.append(json.loads(line))
-                except ValueError:
-                    continue
-        return events
+        return trainer_log_events(text)
 
     def wait_running(self, namespace: str, name: str, world: int, after: int) -> dict[str, Any]:
         """The status once an attempt later than ``after`` runs at ``world``."""

@@ -4,7 +4,6 @@ process (killable), and job manifests that run examples/train_fsdp.py."""
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 import yaml
 from ctj_devcluster import Binaries, BinariesMissing, Cluster, ClusterConfig
 from ctj_devcluster.kubeflow import KubeflowBuild
+from ctj_stack.stack import trainer_log_events
 from kubernetes import client
 
 from tests.conftest import ROOT, retry_on_bind_conflict
@@ -297,14 +297,7 @@ def trainer_events(
         text = cluster.container_log(namespace, pod, container)
     except FileNotFoundError:
         return []
-    events = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                continue  # a line being written
-    return events
+    return trainer_log_events(text)
 
 
 def wait_resumed(

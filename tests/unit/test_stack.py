@@ -95,3 +95,16 @@ def test_node_control_needs_both_commands() -> None:
     assert st.NodeControl.from_env({"CTJ_E2E_NODE_STOP": "docker kill {node}"}) is None
     both = {"CTJ_E2E_NODE_STOP": "a {node}", "CTJ_E2E_NODE_START": "b {node}"}
     assert st.NodeControl.from_env(both) == st.NodeControl("a {node}", "b {node}")
+
+
+def test_trainer_log_events_skip_other_lines_and_a_line_being_written() -> None:
+    text = '\n'.join([
+        '{"t": 1.0, "event": "restored", "step": 20}',
+        "/app/examples/train_fsdp.py:114: UserWarning: ...",
+        '{"t": 1.1, "event": "step", "step": 21}',
+        '{"t": 1.2, "event": "st',
+    ])  # fmt: skip
+    assert st.trainer_log_events(text) == [
+        {"t": 1.0, "event": "restored", "step": 20},
+        {"t": 1.1, "event": "step", "step": 21},
+    ]
