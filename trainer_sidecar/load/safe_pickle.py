@@ -82,9 +82,10 @@ def _layout_by_name(name: object) -> torch.layout:
 def _enum_member(cls: object, name: object) -> enum.Enum:
     """Stands in for ``builtins.getattr`` (how some Pythons pickle an enum member): only
     ``cls[name]`` for an allowed enum and one of its member names."""
-    allowed = isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in _ALLOWED_ENUMS
-    if allowed and isinstance(name, str) and name in cls.__members__:  # type: ignore[union-attr]
-        return cls.__members__[name]  # type: ignore[union-attr]
+    if cls in _ALLOWED_ENUMS and isinstance(cls, enum.EnumMeta) and isinstance(name, str):
+        member = cls.__members__.get(name)
+        if member is not None:
+            return member
     raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not an enum member lookup")
 
 
