@@ -73,10 +73,8 @@ class TestJobLifecycle:
         self.state["attempt"] = st["attempt"]
 
     def test_a_lost_node_restarts_the_job_at_two_from_its_last_checkpoint(
-        self, stack: Stack, job_namespace: str, node_control: NodeControl | None
+        self, stack: Stack, job_namespace: str, node_control: NodeControl
     ) -> None:
-        if node_control is None:
-            pytest.skip("CTJ_E2E_NODE_STOP/START are not set: no way to stop a node here")
         ns, attempt = job_namespace, self.state["attempt"]
         pods = stack.attempt_pods(ns, JOB, attempt)
         victim = stack.victim(ns, JOB, attempt)
@@ -119,10 +117,8 @@ class TestJobLifecycle:
         self.state["attempt"] = st["attempt"]
 
     def test_the_node_comes_back_and_the_job_grows_to_three(
-        self, stack: Stack, job_namespace: str, node_control: NodeControl | None
+        self, stack: Stack, job_namespace: str, node_control: NodeControl
     ) -> None:
-        if node_control is None:
-            pytest.skip("CTJ_E2E_NODE_STOP/START are not set: no way to stop a node here")
         ns, attempt, node = job_namespace, self.state["attempt"], self.state["node"]
         started = time.time()
         node_control.start_node(node)
