@@ -2,9 +2,15 @@
 # Brings up (or reuses) everything the e2e tier and the kind demo run on, and prints the
 # environment they read, as KEY=VALUE lines on stdout (progress goes to stderr):
 #
-#   CTJ_E2E_KUBECONFIG=...    the kind cluster hack/kind/cluster.sh builds (1 + 3 nodes)
+#   CTJ_E2E_KUBECONFIG=...    the kind cluster hack/kind/cluster.sh builds (1 + 3 nodes;
+#                             named by CTJ_KIND_CLUSTER, default ctj)
 #   CTJ_OPERATOR_IMAGE=... CTJ_TRAINER_IMAGE=... CTJ_SEAWEEDFS_IMAGE=...  (on its nodes)
 #   CTJ_E2E_NODE_STOP=docker kill {node}   CTJ_E2E_NODE_START=docker start {node}
+#
+#   hack/stack-env.sh --prepare   builds all of it (Docker, our images, kind's binaries and
+#                                 images, the image store) but creates no cluster and prints
+#                                 nothing: the test command runs it beside the other tiers,
+#                                 so that no idle cluster shares the cores with them
 #
 # Exit 3, with one line saying why, when no container runtime can run on this machine
 # (the e2e tier then skips with that reason); any other failure is an error.
@@ -15,10 +21,12 @@ if ! "$hack/containers/docker.sh" >&2; then
   exit 3
 fi
 images="$("$hack/containers/images.sh")"
+mapfile -t image_names < <(printf '%s\n' "$images" | cut -d= -f2)
+"$hack/kind/cluster.sh" prepare "${image_names[@]}" >&2
+[ "${1:-}" != "--prepare" ] || exit 0
 kubeconfig="$("$hack/kind/cluster.sh" up | sed -n 's/^KUBECONFIG=//p')"
 [ -n "$kubeconfig" ] || { echo "stack-env: hack/kind/cluster.sh up printed no KUBECONFIG" >&2; exit 1; }
-# shellcheck disable=SC2046
-"$hack/kind/cluster.sh" load $(printf '%s\n' "$images" | cut -d= -f2) >&2
+"$hack/kind/cluster.sh" load "${image_names[@]}" >&2
 echo "CTJ_E2E_KUBECONFIG=$kubeconfig"
 printf '%s\n' "$images"
 echo "CTJ_E2E_NODE_STOP=/usr/bin/docker kill {node}"

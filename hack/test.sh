@@ -2,12 +2,17 @@
 # The test command (README, .ci/run): builds or reuses the cached environment and
 # tools, then runs every test tier that this machine can run. Extra arguments go to pytest.
 #
-# The e2e tier (tests/e2e) runs on a kind cluster that hack/stack-env.sh brings up (our
-# images on its nodes). With no arguments, that happens in the background while the other
-# tiers run, and the e2e tier runs last; with arguments, only when they name e2e. Where
-# no container runtime can run, the e2e tier skips with the reason in pytest's summary.
+# The e2e tier (tests/e2e) runs on a kind cluster of its own, ${CTJ_E2E_CLUSTER:-ctj-e2e}
+# (the demo's cluster is left alone). With no arguments, everything it needs is built in
+# the background while the other tiers run (hack/stack-env.sh --prepare); the cluster is
+# made only when the e2e tier starts, and deleted when it ends (CTJ_E2E_KEEP_CLUSTER=1 keeps
+# it), so that no idle cluster shares the cores with the other tiers. With arguments, the
+# e2e tier's cluster is brought up only when they name e2e. Where no container runtime can
+# run, the e2e tier skips with the reason in pytest's summary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+t0=$(date +%s)
+phase() { echo "ctj: [$(( $(date +%s) - t0 ))s] $*" >&2; }
 # The Go build of the control plane (cached by version) needs only bash and Go:
 # on a cold machine it overlaps the venv build instead of following it.
 bin_log=$(mktemp)
@@ -18,40 +23,61 @@ set -euo pipefail
 hack/system-tools.sh                # promtool
 wait "$bin_pid" || { cat "$bin_log" >&2; echo "ctj: building the cluster binaries failed" >&2; exit 1; }
 cat "$bin_log" >&2
-echo "ctj: ruff" >&2
+phase "ruff"
 ruff check trainer_sidecar operator tests bench hack/ctj_devcluster hack/ctj_stack examples
-echo "ctj: mypy" >&2
+phase "mypy"
 mypy trainer_sidecar operator/ctj_operator hack/ctj_devcluster hack/ctj_stack bench
 
-e2e_env="$(mktemp)" e2e_log="$(mktemp)"
-trap 'rm -f "$e2e_env" "$e2e_log" "$bin_log"' EXIT
-e2e_ready() {  # wait for stack-env, export what it printed (or why the tier skips)
+e2e_cluster="${CTJ_E2E_CLUSTER:-ctj-e2e}"
+e2e_env="$(mktemp)" e2e_log="$(mktemp)" e2e_made=""
+cleanup() {
+  rm -f "$e2e_env" "$e2e_log" "$bin_log"
+  if [ -n "$e2e_made" ] && [ -z "${CTJ_E2E_KEEP_CLUSTER:-}" ]; then
+    CTJ_KIND_CLUSTER="$e2e_cluster" hack/kind/cluster.sh down >/dev/null 2>&1 || true
+  fi
+}
+trap cleanup EXIT
+# the e2e tier's prerequisites, built (and a cluster left by an interrupted run deleted)
+prepare_e2e() {
+  hack/stack-env.sh --prepare || return $?
+  CTJ_KIND_CLUSTER="$e2e_cluster" hack/kind/cluster.sh down
+}
+# wait for prepare_e2e, then make the cluster and export what stack-env printed (or why
+# the tier skips)
+e2e_ready() {
   local rc=0
   wait "$e2e_pid" || rc=$?
   cat "$e2e_log" >&2
   if (( rc == 3 )); then
     export CTJ_E2E_SKIP_REASON="$(cat "$e2e_env")"
+    phase "the e2e tier will skip: $CTJ_E2E_SKIP_REASON"
+    return 0
   elif (( rc != 0 )); then
-    echo "ctj: bringing up the e2e cluster failed (exit $rc)" >&2; return "$rc"
-  else
-    while IFS='=' read -r key value; do export "$key=$value"; done <"$e2e_env"
+    echo "ctj: building the e2e tier's prerequisites failed (exit $rc)" >&2; return "$rc"
   fi
+  phase "creating the e2e tier's kind cluster $e2e_cluster"
+  e2e_made=1
+  CTJ_KIND_CLUSTER="$e2e_cluster" hack/stack-env.sh >"$e2e_env" \
+    || { echo "ctj: bringing up the e2e cluster failed" >&2; return 1; }
+  while IFS='=' read -r key value; do export "$key=$value"; done <"$e2e_env"
 }
 e2e_pid=""
 if (( $# == 0 )) || [[ "$*" == *e2e* ]]; then
-  echo "ctj: bringing up the e2e tier's kind cluster (log follows when it is needed)" >&2
-  hack/stack-env.sh >"$e2e_env" 2>"$e2e_log" &
+  phase "building the e2e tier's images and kind tools (log follows when it is needed)"
+  prepare_e2e >"$e2e_env" 2>"$e2e_log" &
   e2e_pid=$!
 fi
 if (( $# == 0 )); then
-  echo "ctj: pytest (every tier but e2e)" >&2
+  phase "pytest (every tier but e2e)"
   rc=0
   python -m pytest -ra --ignore=tests/e2e || rc=$?
+  phase "pytest (every tier but e2e) ended (exit $rc)"
   e2e_ready
-  echo "ctj: pytest (e2e tier, on kind)" >&2
+  phase "pytest (e2e tier, on kind)"
   python -m pytest -ra tests/e2e || rc=$(( rc ? rc : $? ))
+  phase "done (exit $rc)"
   exit "$rc"
 fi
 if [ -n "$e2e_pid" ]; then e2e_ready; fi
-echo "ctj: pytest" >&2
+phase "pytest"
 python -m pytest -ra "$@"

@@ -2,6 +2,9 @@
 # A multi-node kind cluster built entirely on this machine (no registry): 1 control plane +
 # ${CTJ_KIND_WORKERS:-3} workers, named ${CTJ_KIND_CLUSTER:-ctj}.
 #
+#   hack/kind/cluster.sh prepare [IMAGE...]  build what is missing and put it (and the local
+#                                      Docker images named) into the store; create nothing.
+#                                      A cluster made after it starts with them on every node
 #   hack/kind/cluster.sh up            build what is missing, create the cluster unless it is
 #                                      running and healthy, print KUBECONFIG=<path>
 #   hack/kind/cluster.sh load IMAGE... make local Docker images available to every node: put
@@ -162,6 +165,13 @@ create() {
   inputs_key > "$state/$cluster.inputs"
 }
 
+cmd_prepare() {
+  tools
+  images_info
+  "$kind_dir/store.sh" add "${IMAGES[@]}" "$@"
+  log "prepared in $(( $(date +%s) - t_start ))s"
+}
+
 cmd_up() {
   tools
   images_info
@@ -277,8 +287,9 @@ cmd_prune() {
 
 sub="${1:-}"; shift || true
 # one up/load/down/prune at a time per cluster (the store has a lock of its own)
-case "$sub" in up|load|unload|down|prune) mkdir -p "$state"; exec 8>"$state/$cluster.lock"; flock 8 ;; esac
+case "$sub" in prepare|up|load|unload|down|prune) mkdir -p "$state"; exec 8>"$state/$cluster.lock"; flock 8 ;; esac
 case "$sub" in
+  prepare) cmd_prepare "$@" ;;
   up) cmd_up ;;
   load) cmd_load "$@" ;;
   unload) cmd_unload "$@" ;;
