@@ -4,8 +4,10 @@
 #   CTJ_OPERATOR_IMAGE=ctj/operator:<key>    the Dockerfile's operator target
 #   CTJ_TRAINER_IMAGE=ctj/trainer:<key>      its trainer target (trainer and sidecar)
 #   CTJ_SEAWEEDFS_IMAGE=ctj/seaweedfs:<key>  deploy/seaweedfs/Dockerfile, our S3 server
+#   CTJ_KUBEFLOW_IMAGE=ctj/training-operator:<key>  deploy/kubeflow/Dockerfile, Kubeflow's
+#                                            PyTorchJob controller (the pytorchjob backend)
 #
-#   hack/containers/images.sh [operator|trainer|seaweedfs ...]   (default: all three)
+#   hack/containers/images.sh [operator|trainer|seaweedfs|kubeflow ...]   (default: all)
 #
 # <key> hashes every input of an image (the Dockerfile, the files it copies, the base
 # image's ID), so an unchanged tree is a no-op and a changed one gets a new tag: pods
@@ -52,7 +54,20 @@ base_id="$("$DOCKER" image inspect -f '{{.Id}}' "$base")"
 python="ctj/python:3.11-bookworm-$(key "$here/python.Dockerfile" "$base_id")"
 build "$python" "$here/python.Dockerfile" "$here" --build-arg "BASE=$base"
 
-wanted=("$@"); (( ${#wanted[@]} )) || wanted=(operator trainer seaweedfs)
+# binary_image NAME DOCKERFILE BINARY: an image of one Go binary (built by
+# hack/cluster-binaries.sh) on the base image; the context is the Dockerfile and the binary
+binary_image() {
+  local name="$1" file="$2" binary="$3" image ctx
+  image="ctj/$name:$(key "$file" "$binary" "$base_id")"
+  if ! "$DOCKER" image inspect "$image" >/dev/null 2>&1; then
+    ctx="$(mktemp -d)"; cp "$file" "$binary" "$ctx/"
+    build "$image" "$ctx/Dockerfile" "$ctx" --build-arg "BASE=$base"; rm -rf "$ctx"
+  fi
+  echo "$image"
+}
+built_dir() { "$root/hack/cluster-binaries.sh" | sed -n "s/^$1=//p"; }
+
+wanted=("$@"); (( ${#wanted[@]} )) || wanted=(operator trainer seaweedfs kubeflow)
 ctj_key="$(key "$root/Dockerfile" "$root/.dockerignore" "$root/requirements/dev.txt" \
   "$root/trainer_sidecar" "$root/operator/ctj_operator" "$root/examples" "$python")"
 for what in "${wanted[@]}"; do
@@ -62,13 +77,13 @@ for what in "${wanted[@]}"; do
       build "$image" "$root/Dockerfile" "$root" --target "$what" --build-arg "PYTHON_IMAGE=$python"
       echo "CTJ_${what^^}_IMAGE=$image" ;;
     seaweedfs)
-      weed_dir="$("$root/hack/cluster-binaries.sh" | sed -n 's/^CTJ_SEAWEEDFS_BIN_DIR=//p')"
-      image="ctj/seaweedfs:$(key "$root/deploy/seaweedfs/Dockerfile" "$weed_dir/weed" "$base_id")"
-      if ! "$DOCKER" image inspect "$image" >/dev/null 2>&1; then
-        ctx="$(mktemp -d)"; cp "$root/deploy/seaweedfs/Dockerfile" "$weed_dir/weed" "$ctx/"
-        build "$image" "$ctx/Dockerfile" "$ctx" --build-arg "BASE=$base"; rm -rf "$ctx"
-      fi
+      image="$(binary_image seaweedfs "$root/deploy/seaweedfs/Dockerfile" \
+        "$(built_dir CTJ_SEAWEEDFS_BIN_DIR)/weed")"
       echo "CTJ_SEAWEEDFS_IMAGE=$image" ;;
-    *) log "unknown image '$what' (operator, trainer, seaweedfs)"; exit 2 ;;
+    kubeflow)
+      image="$(binary_image training-operator "$root/deploy/kubeflow/Dockerfile" \
+        "$(built_dir CTJ_KUBEFLOW_BIN_DIR)/training-operator.v1")"
+      echo "CTJ_KUBEFLOW_IMAGE=$image" ;;
+    *) log "unknown image '$what' (operator, trainer, seaweedfs, kubeflow)"; exit 2 ;;
   esac
 done

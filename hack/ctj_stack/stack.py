@@ -25,8 +25,15 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ctj"
 EXAMPLE_JOB = ROOT / "examples" / "job.yaml"
 SEAWEEDFS_MANIFEST = ROOT / "deploy" / "seaweedfs" / "seaweedfs.yaml"
+KUBEFLOW_MANIFEST = ROOT / "deploy" / "kubeflow" / "training-operator.yaml"
 GROUP = "training.ctj.dev"
 S3_NAMESPACE = "seaweedfs"
+KUBEFLOW_NAMESPACE = "kubeflow"
+KUBEFLOW_WEBHOOK = "validator.training-operator.kubeflow.org"
+# how the Kubeflow controller labels its pods (backend pytorchjob), and the container name
+# a PyTorchJob requires
+KF_REPLICA_TYPE = "training.kubeflow.org/replica-type"
+KF_TRAINER = "pytorch"
 OPERATOR_NAMESPACE = "ctj-system"
 S3_ENDPOINT = "http://seaweedfs.seaweedfs:8333"  # the example job's, in-cluster
 RESTART_TIMEOUT = 420.0  # node-monitor grace + teardown + scheduling + torch's start
@@ -52,6 +59,7 @@ class Images:
     operator: str
     trainer: str
     seaweedfs: str
+    kubeflow: str = ""  # Kubeflow's controller (deploy/kubeflow); "": the cluster's own, if any
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Images:
@@ -61,6 +69,7 @@ class Images:
             operator=_required(env, "CTJ_OPERATOR_IMAGE", hint),
             trainer=_required(env, "CTJ_TRAINER_IMAGE", hint),
             seaweedfs=_required(env, "CTJ_SEAWEEDFS_IMAGE", hint),
+            kubeflow=env.get("CTJ_KUBEFLOW_IMAGE", ""),
         )
 
 
@@ -247,6 +256,49 @@ class Stack:
         self.kubectl("-n", S3_NAMESPACE, "rollout", "status", "deployment/seaweedfs",
                      "--timeout=180s")  # fmt: skip
 
+    def serves_pytorchjobs(self) -> bool:
+        names = self.kubectl("api-resources", "--api-group=kubeflow.org", "-o", "name")
+        return "pytorchjobs.kubeflow.org" in names.split()
+
+    def install_kubeflow(self, control_plane: bool = False) -> None:
+        """Kubeflow's PyTorchJob controller as deploy/kubeflow lays it out, with our image
+        of it and the CRD and ClusterRole of the module it is built from; waits until its
+        validating webhook answers (the controller puts its certificates in place)."""
+        from ctj_devcluster.kubeflow import KubeflowBuild
+
+        build = KubeflowBuild.find()
+        self.log(f"Kubeflow's controller: deploy/kubeflow ({self.images.kubeflow})")
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(build.crd))
+        self.kubectl("apply", "-f", str(build.cluster_role))
+        objects = [o for o in yaml.safe_load_all(KUBEFLOW_MANIFEST.read_text()) if o]
+        for obj in objects:
+            if obj["kind"] == "Deployment":
+                pod = obj["spec"]["template"]["spec"]
+                (container,) = pod["containers"]
+                container["image"] = self.images.kubeflow
+                # the workers' init container runs an image the nodes have: the trainer's
+                container["args"] = [
+                    f"--pytorch-init-container-image={self.images.trainer}"
+                    if a.startswith("--pytorch-init-container-image=") else a
+                    for a in container["args"]
+                ]  # fmt: skip
+                if control_plane:
+                    pod["tolerations"] = [CONTROL_PLANE_TOLERATION]
+                    pod["nodeSelector"] = {CONTROL_PLANE_LABEL: ""}
+        self.apply(objects)
+        self.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                     "crd/pytorchjobs.kubeflow.org")  # fmt: skip
+        self.kubectl("-n", KUBEFLOW_NAMESPACE, "rollout", "status",
+                     "deployment/training-operator", "--timeout=300s")  # fmt: skip
+        jsonpath = "{.webhooks[0].clientConfig.caBundle}"
+
+        def ca_injected() -> bool:
+            got = self.kubectl("get", "validatingwebhookconfiguration", KUBEFLOW_WEBHOOK,
+                               f"-o=jsonpath={jsonpath}")  # fmt: skip
+            return bool(got.strip())
+
+        self.wait(ca_injected, "the PyTorchJob webhook's CA in place", 120)
+
     @staticmethod
     def _secret(namespace: str, name: str, data: dict[str, str]) -> dict[str, Any]:
         return {
@@ -264,9 +316,12 @@ class Stack:
             "AWS_SECRET_ACCESS_KEY": credentials.secret_key,
         })])  # fmt: skip
 
-    def example_job(self, **env: str) -> dict[str, Any]:
-        """examples/job.yaml with our trainer image (and ``env`` set in the trainer)."""
+    def example_job(self, name: str = "demo", backend: str = "pods", **env: str) -> dict[str, Any]:
+        """examples/job.yaml with our trainer image (and ``env`` set in the trainer), named
+        ``name``, run by ``backend``."""
         job: dict[str, Any] = yaml.safe_load(EXAMPLE_JOB.read_text())
+        job["metadata"]["name"] = name
+        job["spec"]["backend"] = backend
         trainer = job["spec"]["template"]["spec"]["containers"][0]
         trainer["image"] = self.images.trainer
         trainer["imagePullPolicy"] = "IfNotPresent"
@@ -277,7 +332,8 @@ class Stack:
         return job
 
     def apply_job(self, namespace: str, job: dict[str, Any]) -> None:
-        self.log(f"kubectl apply -f examples/job.yaml -n {namespace}")
+        self.log(f"kubectl apply -f examples/job.yaml -n {namespace} "
+                 f"(name {job['metadata']['name']}, backend {job['spec']['backend']})")  # fmt: skip
         self.apply([job], namespace)
 
     # --- reading back ---------------------------------------------------------------
@@ -312,15 +368,16 @@ class Stack:
         ok = len(pods) == world and all(p.status.phase == "Running" for p in pods)
         return st if ok else None
 
-    def trainer_events(
-        self, namespace: str, pod: str, container: str = "trainer"
-    ) -> list[dict[str, Any]]:
-        """The JSON lines examples/train_fsdp.py printed (none if the pod has no log yet)."""
-        try:
-            text = self.core.read_namespaced_pod_log(pod, namespace, container=container)
-        except client.ApiException:
-            return []
-        return trainer_log_events(text)
+    def trainer_events(self, namespace: str, pod: str) -> list[dict[str, Any]]:
+        """The JSON lines examples/train_fsdp.py printed (none if the pod has no log yet),
+        from its trainer container (named ``pytorch`` in a PyTorchJob's pods)."""
+        for container in ("trainer", KF_TRAINER):
+            try:
+                text = self.core.read_namespaced_pod_log(pod, namespace, container=container)
+            except client.ApiException:
+                continue
+            return trainer_log_events(text)
+        return []
 
     def wait_running(self, namespace: str, name: str, world: int, after: int) -> dict[str, Any]:
         """The status once an attempt later than ``after`` runs at ``world``."""
@@ -346,6 +403,7 @@ class Stack:
                 p
                 for p in self.attempt_pods(namespace, name, attempt)
                 if p.metadata.labels.get(f"{GROUP}/node-rank") == "0"
+                or p.metadata.labels.get(KF_REPLICA_TYPE) == "master"
             ]
             if not pods:
                 return None
@@ -372,10 +430,11 @@ class Stack:
 
     def victim(self, namespace: str, name: str, attempt: int) -> Any:
         """The pod of ``attempt`` whose node to stop: the highest node rank on a node that
-        runs neither the operator nor the S3 server (losing those is another test)."""
+        runs neither the operator, the S3 server nor Kubeflow's controller (losing those is
+        another test)."""
         keep = {
             p.spec.node_name
-            for ns in (OPERATOR_NAMESPACE, S3_NAMESPACE)
+            for ns in (OPERATOR_NAMESPACE, S3_NAMESPACE, KUBEFLOW_NAMESPACE)
             for p in self.core.list_namespaced_pod(ns).items
         }
         pods = sorted(self.attempt_pods(namespace, name, attempt), key=lambda p: p.metadata.name)
@@ -430,6 +489,12 @@ class Stack:
         """Every object in ``namespace`` the job owns or labels (pods, services, secrets,
         config maps, PyTorchJobs), as kind/name."""
         found = []
+        if self.serves_pytorchjobs():
+            listing = self.custom.list_namespaced_custom_object(
+                "kubeflow.org", "v1", namespace, "pytorchjobs",
+                label_selector=f"{GROUP}/job-name={name}",
+            )  # fmt: skip
+            found += [f"pytorchjob/{o['metadata']['name']}" for o in listing["items"]]
         listings: list[tuple[str, Callable[..., Any]]] = [
             ("pod", self.core.list_namespaced_pod),
             ("service", self.core.list_namespaced_service),

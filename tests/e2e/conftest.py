@@ -73,7 +73,22 @@ def node_control() -> NodeControl:
 
 
 @pytest.fixture(scope="session")
-def operator_installed(stack: Stack) -> Iterator[str]:
+def kubeflow(stack: Stack) -> str:
+    """Kubeflow's PyTorchJob controller, for the pytorchjob backend: ours (deploy/kubeflow)
+    where CTJ_KUBEFLOW_IMAGE names its image, else the cluster's own if it serves
+    PyTorchJobs. Installed before the operator, which then watches PyTorchJobs. Returns
+    "" when there is one, else why not (the backend's scenario skips with it)."""
+    if stack.images.kubeflow:
+        stack.install_kubeflow(control_plane=bool(stack.control_plane_nodes()))
+        return ""
+    if stack.serves_pytorchjobs():
+        stack.log("Kubeflow's controller: the cluster's own (it serves PyTorchJobs)")
+        return ""
+    return "the cluster serves no PyTorchJobs and CTJ_KUBEFLOW_IMAGE is not set"
+
+
+@pytest.fixture(scope="session")
+def operator_installed(stack: Stack, kubeflow: str) -> Iterator[str]:
     """The chart, installed as a user would, its operator on a control-plane node where
     the cluster has one (losing a worker then loses training pods only). Yields the
     operator's namespace."""

@@ -22,6 +22,10 @@ def test_images_come_from_the_environment_and_a_missing_one_is_named() -> None:
                                                    "ctj/seaweedfs:def")  # fmt: skip
     with pytest.raises(ValueError, match="CTJ_TRAINER_IMAGE is not set.*images.sh"):
         st.Images.from_env({k: v for k, v in IMAGES.items() if k != "CTJ_TRAINER_IMAGE"})
+    # Kubeflow's controller is optional: without it the cluster's own is used, if any
+    assert st.Images.from_env(IMAGES).kubeflow == ""
+    kf = {**IMAGES, "CTJ_KUBEFLOW_IMAGE": "ctj/training-operator:k"}
+    assert st.Images.from_env(kf).kubeflow == "ctj/training-operator:k"
 
 
 @pytest.mark.parametrize(
@@ -57,6 +61,35 @@ def test_the_example_job_runs_our_trainer_image_with_the_given_env() -> None:
     # everything else is the example's own, pointing at the in-cluster S3 server
     assert job["spec"]["checkpoint"] == original["spec"]["checkpoint"]
     assert job["spec"]["checkpoint"]["endpoint"] == st.S3_ENDPOINT
+    assert (job["metadata"]["name"], job["spec"]["backend"]) == ("demo", "pods")
+    kf = _bare_stack().example_job("demo-kf", "pytorchjob")
+    assert (kf["metadata"]["name"], kf["spec"]["backend"]) == ("demo-kf", "pytorchjob")
+
+
+def test_the_kubeflow_manifest_is_what_its_controller_expects() -> None:
+    """deploy/kubeflow: names the controller's cert rotator uses (its defaults: Secret
+    training-operator-webhook-cert, Service training-operator, the webhook configuration
+    validator.training-operator.kubeflow.org), and an init container that needs no DNS
+    tool the trainer image lacks."""
+    objects = {o["kind"]: o for o in yaml.safe_load_all(st.KUBEFLOW_MANIFEST.read_text()) if o}
+    assert objects["Secret"]["metadata"]["name"] == "training-operator-webhook-cert"
+    (webhook,) = objects["ValidatingWebhookConfiguration"]["webhooks"]
+    assert objects["ValidatingWebhookConfiguration"]["metadata"]["name"] == st.KUBEFLOW_WEBHOOK
+    service = objects["Service"]["metadata"]
+    assert webhook["clientConfig"]["service"]["name"] == service["name"] == "training-operator"
+    assert service["namespace"] == st.KUBEFLOW_NAMESPACE
+    assert webhook["rules"][0]["resources"] == ["pytorchjobs"]
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = dict(a.split("=", 1) for a in container["args"])
+    assert args["--enable-scheme"] == "pytorchjob"
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    template = args["--pytorch-init-container-template-file"]
+    config_map = next(v for v in pod["volumes"] if v["name"] == mounts[template.rsplit("/", 1)[0]])
+    assert config_map["configMap"]["name"] == objects["ConfigMap"]["metadata"]["name"]
+    init = objects["ConfigMap"]["data"][template.rsplit("/", 1)[1]]
+    assert "getent hosts {{.MasterAddr}}" in init and "nslookup" not in init
+    assert mounts["/tmp/k8s-webhook-server/serving-certs"] == "cert"
 
 
 def test_the_s3_manifest_serves_the_bucket_the_example_uses() -> None:
