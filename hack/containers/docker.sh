@@ -35,11 +35,14 @@ if (( ${#need[@]} )); then
   apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
-mkdir -p "$cache" /etc/docker
+# the wrapper is run from the cache, not from this checkout: a daemon started from one
+# clone keeps working after that clone is gone
+mkdir -p "$cache/bin" /etc/docker
+install -m 0755 "$here/runc-nosysresource" "$cache/bin/runc-nosysresource"
 cat > /etc/docker/daemon.json <<JSON
 {
   "storage-driver": "overlay2",
-  "runtimes": {"ctj-runc": {"path": "$here/runc-nosysresource"}},
+  "runtimes": {"ctj-runc": {"path": "$cache/bin/runc-nosysresource"}},
   "default-runtime": "ctj-runc"
 }
 JSON
