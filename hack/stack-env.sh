@@ -23,6 +23,10 @@ fi
 images="$("$hack/containers/images.sh")"
 mapfile -t image_names < <(printf '%s\n' "$images" | cut -d= -f2)
 "$hack/kind/cluster.sh" prepare "${image_names[@]}" >&2
+# older builds of our images go, from Docker and from the kind store (running nodes keep
+# what they have: their stores are copies)
+"$hack/containers/images.sh" --prune "${image_names[@]}"
+"$hack/kind/cluster.sh" prune "${image_names[@]}" >&2
 [ "${1:-}" != "--prepare" ] || exit 0
 kubeconfig="$("$hack/kind/cluster.sh" up | sed -n 's/^KUBECONFIG=//p')"
 [ -n "$kubeconfig" ] || { echo "stack-env: hack/kind/cluster.sh up printed no KUBECONFIG" >&2; exit 1; }

@@ -70,11 +70,12 @@ fi
 if (( $# == 0 )); then
   phase "pytest (every tier but e2e)"
   rc=0
-  python -m pytest -ra --ignore=tests/e2e || rc=$?
+  # the slowest tests are listed: where the 90 minutes of CI go, in every CI log
+  python -m pytest -ra --durations=25 --ignore=tests/e2e || rc=$?
   phase "pytest (every tier but e2e) ended (exit $rc)"
   e2e_ready
   phase "pytest (e2e tier, on kind)"
-  python -m pytest -ra tests/e2e || rc=$(( rc ? rc : $? ))
+  python -m pytest -ra --durations=12 tests/e2e || rc=$(( rc ? rc : $? ))
   phase "done (exit $rc)"
   exit "$rc"
 fi

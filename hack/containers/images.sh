@@ -8,6 +8,8 @@
 #                                            PyTorchJob controller (the pytorchjob backend)
 #
 #   hack/containers/images.sh [operator|trainer|seaweedfs|kubeflow ...]   (default: all)
+#   hack/containers/images.sh --prune IMAGE...   remove every other build of these images
+#                                                (older tags of ctj/operator, ctj/trainer, ...)
 #
 # <key> hashes every input of an image (the Dockerfile, the files it copies, the base
 # image's ID), so an unchanged tree is a no-op and a changed one gets a new tag: pods
@@ -47,6 +49,20 @@ build() {
   log "built $image in $(( $(date +%s) - start ))s ($("$DOCKER" image inspect -f '{{.Size}}' "$image" \
        | awk '{printf "%.0f MB", $1/1e6}'))"
 }
+
+if [ "${1:-}" = "--prune" ]; then
+  # every code change makes new tags; the old ones would pile up (a new dependency pin
+  # leaves a whole old trainer image behind: ~6 GB)
+  shift
+  keep=" $* "
+  for img in $("$DOCKER" images --format '{{.Repository}}:{{.Tag}}' \
+               | grep -E '^ctj/(operator|trainer|seaweedfs|training-operator):' || true); do
+    if [[ "$keep" != *" $img "* ]] && "$DOCKER" rmi "$img" >/dev/null 2>&1; then
+      log "removed $img (an older build)"
+    fi
+  done
+  exit 0
+fi
 
 mkdir -p "${CTJ_CACHE:-$HOME/.cache/ctj}"
 base="$("$here/base-image.sh")"

@@ -17,7 +17,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -147,6 +147,9 @@ class Cluster:
         self, *args: str, check: bool = True, timeout: float = 60, input: str | None = None
     ) -> subprocess.CompletedProcess[str]:
         return self._run(self.binaries.kubectl, args, check, timeout, input)
+
+    def wait_crd_established(self, crd: str, timeout: float = 60) -> None:
+        wait_crd_established(lambda *a: self.kubectl(*a, check=False).stdout, crd, timeout)
 
     def helm(
         self, *args: str, check: bool = True, timeout: float = 120
@@ -450,3 +453,19 @@ def _claim_loopback_net(wanted: str = "") -> tuple[str, list[socket.socket]]:
             legacy.close()
         return net, claims
     raise RuntimeError("no free 127.X/16 for the cluster's addresses")
+
+
+ESTABLISHED = '{.status.conditions[?(@.type=="Established")].status}'
+
+
+def wait_crd_established(kubectl: Callable[..., str], crd: str, timeout: float = 60) -> None:
+    """Until the API server serves the CRD's kind; ``kubectl(*args)`` returns stdout. Not
+    ``kubectl wait --for=condition=Established``: that fails at once ("conditions accessor
+    error: <nil>") on a CRD whose status the API server has not written yet, as it can be
+    just after the create."""
+    wait_until(
+        lambda: kubectl("get", "crd", crd, f"-o=jsonpath={ESTABLISHED}").strip() == "True",
+        timeout=timeout,
+        what=f"CRD {crd} to be established",
+        interval=0.2,
+    )

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from .binaries import BUILD_SCRIPT, BinariesMissing, built_dirs
 from .ports import retry_on_bind_conflict
-from .processes import ManagedProcess, wait_until
+from .processes import ManagedProcess
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -100,19 +100,7 @@ def install_crd(cluster: Cluster, build: KubeflowBuild) -> None:
     """The real PyTorchJob CRD (server-side apply: it is larger than the client-side
     last-applied annotation may be)."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(build.crd))
-    # (not `kubectl wait`: it errors out on a CRD whose status is not written yet)
-    jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
-    wait_until(
-        lambda: (
-            cluster.kubectl(
-                "get", "crd", "pytorchjobs.kubeflow.org", f"-o=jsonpath={jsonpath}", check=False
-            ).stdout.strip()
-            == "True"
-        ),
-        timeout=60,
-        what="the PyTorchJob CRD to be established",
-        interval=0.2,
-    )
+    cluster.wait_crd_established("pytorchjobs.kubeflow.org")
 
 
 def _serving_certificate() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 from ctj_devcluster.binaries import built_dirs
+from ctj_devcluster.cluster import wait_crd_established
 from ctj_devcluster.processes import wait_until
 from kubernetes import client, config
 
@@ -286,8 +287,7 @@ class Stack:
                     pod["tolerations"] = [CONTROL_PLANE_TOLERATION]
                     pod["nodeSelector"] = {CONTROL_PLANE_LABEL: ""}
         self.apply(objects)
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                     "crd/pytorchjobs.kubeflow.org")  # fmt: skip
+        wait_crd_established(self.kubectl, "pytorchjobs.kubeflow.org")
         self.kubectl("-n", KUBEFLOW_NAMESPACE, "rollout", "status",
                      "deployment/training-operator", "--timeout=300s")  # fmt: skip
         jsonpath = "{.webhooks[0].clientConfig.caBundle}"

@@ -48,7 +48,7 @@ def kubeflow_build() -> KubeflowBuild:
 def install_crd(cluster: Cluster) -> None:
     """Apply crds/ and wait until the API server serves the kind."""
     cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
+    cluster.wait_crd_established(f"{PLURAL}.{GROUP}")
 
 
 @pytest.fixture(scope="module")

@@ -96,9 +96,7 @@ def test_rbac_answers_can_i(cluster: Cluster, namespace: str) -> None:
 
 def test_crd_is_applied_served_and_validated(cluster: Cluster, namespace: str) -> None:
     cluster.kubectl("apply", "-f", "-", input=json.dumps(CRD))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=30s", "crd/widgets.test.ctj.dev"
-    )
+    cluster.wait_crd_established("widgets.test.ctj.dev", timeout=30)
     good = {
         "apiVersion": "test.ctj.dev/v1",
         "kind": "Widget",
