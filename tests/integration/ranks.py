@@ -32,6 +32,9 @@ def spawn_ranks(
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
             PYTHONPATH=ROOT,
+            # a rank that aborts (SIGABRT: "terminate called ...") prints every thread's
+            # Python stack: which thread was still running
+            PYTHONFAULTHANDLER="1",
         )
         procs.append(
             subprocess.Popen(
