@@ -588,6 +588,8 @@ def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
 def worker_main(phase: str, args_path: str) -> None:
     import torch.distributed as dist
 
+    from trainer_sidecar.rank_exit import exit_rank
+
     with open(args_path) as f:
         args = json.load(f)
     dist.init_process_group(backend(phase, args))
@@ -597,8 +599,10 @@ def worker_main(phase: str, args_path: str) -> None:
             result["engine"] = engine_info()
             with open(args["out"], "w") as f:
                 json.dump(result, f)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_rank(0)  # no interpreter finalization: trainer_sidecar/rank_exit.py
 
 
 def backend(phase: str, args: dict[str, Any]) -> str:

@@ -476,6 +476,8 @@ def engine_info() -> dict[str, Any]:
 def worker_main(phase: str, args_path: str) -> None:
     import torch.distributed as dist
 
+    from trainer_sidecar.rank_exit import exit_rank
+
     args = json.loads(open(args_path).read())
     dist.init_process_group("gloo")
     try:
@@ -487,8 +489,10 @@ def worker_main(phase: str, args_path: str) -> None:
             result["engine"] = engine_info()
             with open(args["out"], "w") as f:
                 json.dump(result, f)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_rank(0)  # no interpreter finalization: trainer_sidecar/rank_exit.py
 
 
 # --------------------------------------------------------------------------- the driver

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from trainer_sidecar import CheckpointConfig, Checkpointer, GlobalSampler
+from trainer_sidecar.rank_exit import exit_rank
 
 DIM = 64
 DATASET_LEN = 4096  # 21 global batches of 192 an epoch: a 60-step run spans 3 epochs
@@ -141,7 +142,6 @@ def main() -> None:
                 uploaded_bytes=result.uploaded_bytes, logical_bytes=result.logical_bytes,
                 seconds=round(result.total_seconds, 3))
         log("stopped" if stopped else "done", step=last, eval_loss=eval_loss(model))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -150,3 +150,6 @@ if __name__ == "__main__":
     except Exception as exc:  # a rank's death shows up here as a gloo error
         print(json.dumps({"event": "error", "error": str(exc).splitlines()[0]}), flush=True)
         sys.exit(1)
+    # destroys the process group and exits without interpreter finalization, where torch's
+    # gloo threads can abort a finished rank (trainer_sidecar/rank_exit.py)
+    exit_rank(0)

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from tests.conftest import ROOT, free_port
+from trainer_sidecar.rank_exit import exit_rank
 
 
 def spawn_ranks(
@@ -90,8 +91,10 @@ def _main() -> None:
     dist.init_process_group("gloo")
     try:
         fn(json.loads(raw))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_rank(0)  # as a trainer ends (trainer_sidecar/rank_exit.py: why)
 
 
 if __name__ == "__main__":
