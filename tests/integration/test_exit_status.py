@@ -6,7 +6,9 @@ ends a daemon thread that retakes the GIL while the interpreter finalizes with
 pthread_exit; torch's bindings retake it in a noexcept destructor, so a daemon thread
 still inside a torch op at exit aborts the process (test_daemon_torch_thread_aborts
 shows the mechanism). So every thread the library starts must have ended by the time
-close() returns, and the rank programs of the resharding test must exit 0, clean.
+close() returns, and the rank programs of the resharding test must exit 0, clean. (torch's
+own gloo threads outlive destroy_process_group and can abort the same way: rank programs
+end with trainer_sidecar.rank_exit.exit_rank, which skips finalization.)
 """
 
 from __future__ import annotations
