@@ -87,21 +87,22 @@ class ChunkReader:
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
 
-    def fetch_verified(self, chunk: ChunkRef, start: int, end: int) -> bytes:
+    def fetch_verified(self, chunk: ChunkRef, start: int, end: int) -> memoryview:
         """Bytes [start, end) of one chunk, verified: from the nearest tier that holds
-        them (node cache, peers), else by block-aligned ranged GET from the store."""
+        them (node cache, peers), else by block-aligned ranged GET from the store. A
+        read-only view of what was fetched (slicing copies nothing)."""
         bs = self.manifest.block_size
         if self.tiers is not None:
             a, b = blocks_for_range(start, end, chunk.size, bs) if chunk.size else (0, 0)
             for tier, data in self.tiers.candidates(chunk, a, b):
                 if self._verified(chunk, data, a):
                     self._count(len(data), tier)
-                    return data[start - a : end - a]
+                    return memoryview(data)[start - a : end - a]
                 self.tiers.reject(tier, chunk)
         data, a = self._from_store(chunk, start, end)
         if self.tiers is not None and a == 0 and len(data) == chunk.size:
             self.tiers.keep(chunk, data)
-        return data[start - a : end - a]
+        return memoryview(data)[start - a : end - a]
 
     def _from_store(self, chunk: ChunkRef, start: int, end: int) -> tuple[bytes, int]:
         """(verified raw bytes [a, b) covering [start, end), a) read from the store."""
@@ -138,12 +139,22 @@ class ChunkReader:
             self.stats.bytes_fetched += n
             self.stats.by_tier[tier] = self.stats.by_tier.get(tier, 0) + n
 
-    def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
-        """Many (file, start, end) ranges at once.
+    def read_ranges(
+        self,
+        ranges: Sequence[tuple[str, int, int]],
+        into: Sequence[memoryview | None] | None = None,
+    ) -> list[memoryview]:
+        """Many (file, start, end) ranges at once, each as a read-only view of its bytes.
 
         Pieces that touch the same chunk are merged into as few block-aligned GETs
-        as possible, and the GETs run in parallel.
+        as possible, and the GETs run in parallel. A range given a writable buffer in
+        ``into`` (a flat byte view of exactly its size, such as a tensor's storage) is
+        written there, and that buffer is its result: the bytes are copied once, from
+        the response into place. A range within one fetch is a view of it (no copy); any
+        other is gathered into a new buffer.
         """
+        if into is not None and len(into) != len(ranges):
+            raise ValueError(f"{len(into)} buffers for {len(ranges)} ranges")
         bs = self.manifest.block_size
         pieces: list[tuple[int, ChunkRef, int, int]] = []
         wanted: dict[str, list[tuple[int, int]]] = {}
@@ -165,17 +176,37 @@ class ChunkReader:
             self.tiers.prepare(chunks.values())
         with cf.ThreadPoolExecutor(self.parallelism, thread_name_prefix="ctj-read") as pool:
             datas = list(pool.map(lambda f: self.fetch_verified(chunks[f[0]], f[1], f[2]), fetches))
-        got: dict[str, list[tuple[int, int, bytes]]] = {}
+        got: dict[str, list[tuple[int, int, memoryview]]] = {}
         for (cid, a, b), data in zip(fetches, datas, strict=True):
             got.setdefault(cid, []).append((a, b, data))
-        out: list[list[bytes]] = [[] for _ in ranges]
+        parts: list[list[memoryview]] = [[] for _ in ranges]
         for n, chunk, s, e in pieces:
             a, _, data = next(g for g in got[chunk.id] if g[0] <= s and e <= g[1])
-            out[n].append(data[s - a : e - a])
-        return [b"".join(p) for p in out]
+            parts[n].append(data[s - a : e - a])
+        return [
+            _gather(p, into[n] if into is not None else None, end - start)
+            for n, (p, (_, start, end)) in enumerate(zip(parts, ranges, strict=True))
+        ]
 
     def read_file(self, name: str) -> bytes:
-        return self.read_ranges([(name, 0, self.manifest.files[name].size)])[0]
+        return bytes(self.read_ranges([(name, 0, self.manifest.files[name].size)])[0])
+
+
+def _gather(parts: list[memoryview], dst: memoryview | None, size: int) -> memoryview:
+    """``parts`` laid end to end: in ``dst`` if given, else a view of the only part, else a
+    new buffer."""
+    if dst is None:
+        if len(parts) == 1:
+            return parts[0]
+        dst = memoryview(bytearray(size))
+    if dst.nbytes != size:
+        raise ValueError(f"a buffer of {dst.nbytes} bytes for a range of {size}")
+    dst = dst.cast("B")
+    pos = 0
+    for p in parts:
+        dst[pos : pos + p.nbytes] = p
+        pos += p.nbytes
+    return dst
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

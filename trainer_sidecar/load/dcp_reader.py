@@ -23,6 +23,7 @@ import dataclasses
 import io
 import math
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -164,13 +165,22 @@ class ChunkedStorageReader(StorageReader):
         batch: list[tuple[ReadItem, tuple[str, int, int, tuple[int, ...]]]],
         planner: LoadPlanner,
     ) -> None:
-        datas = self.reader.read_ranges([(p, a, b) for _, (p, a, b, _) in batch])
-        for (item, (_, _, _, shape)), data in zip(batch, datas, strict=True):
-            if item.type == LoadItemType.BYTE_IO:
+        targets = [
+            None if item.type == LoadItemType.BYTE_IO else planner.resolve_tensor(item).detach()
+            for item, _ in batch
+        ]
+        in_place = [
+            None if target is None else self._in_place(item, target, b - a)
+            for (item, (_, a, b, _)), target in zip(batch, targets, strict=True)
+        ]
+        datas = self.reader.read_ranges([(p, a, b) for _, (p, a, b, _) in batch], into=in_place)
+        for (item, (_, _, _, shape)), target, buf, data in zip(
+            batch, targets, in_place, datas, strict=True
+        ):
+            if target is None:
                 planner.load_bytes(item, io.BytesIO(data))
                 continue
-            target = planner.resolve_tensor(item).detach()
-            if target.numel():
+            if target.numel() and buf is None:  # not read into place: copy (and cast) it there
                 dtype = self._layout(item).dtype
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read
@@ -179,6 +189,28 @@ class ChunkedStorageReader(StorageReader):
                     src = src.narrow(dim, item.storage_offsets[dim], item.lengths[dim])
                 target.copy_(src.reshape(target.shape))
             planner.commit_tensor(item, target)
+
+    def _in_place(self, item: ReadItem, target: torch.Tensor, nbytes: int) -> memoryview | None:
+        """The target's own bytes, when the saved bytes can be written there as they are:
+        a CPU tensor, contiguous, of the saved dtype, taking whole saved rows. Then the
+        load copies each byte once, from the response into the tensor; otherwise
+        (a GPU tensor, a cast, a column slice) it goes through ``copy_``."""
+        layout = self._layout(item)
+        whole_rows = all(
+            item.storage_offsets[d] == 0 and item.lengths[d] == layout.sizes[d]
+            for d in range(1, len(layout.sizes))
+        )
+        if not (
+            whole_rows
+            and target.numel()
+            and target.device.type == "cpu"
+            and target.dtype == layout.dtype
+            and target.is_contiguous()
+            and target.numel() * target.element_size() == nbytes
+            and sys.byteorder == "little"  # saved bytes are little-endian
+        ):
+            return None
+        return target.view(-1).view(torch.uint8).numpy().data
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

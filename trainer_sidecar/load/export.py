@@ -107,6 +107,7 @@ def _write_data_files(
                 datas = reader.read_ranges([(name, off, off + n) for _, off, n in batch])
                 for (index, _, _), raw in zip(batch, datas, strict=True):
                     md = metadata.state_dict_metadata[index.fqn]
+                    body: bytes | memoryview
                     if isinstance(md, BytesStorageMetadata):
                         body = raw
                     else:

@@ -39,7 +39,9 @@ class StateMismatch(CheckpointError):
     """The state being loaded does not match the checkpoint (DCP's planner said so)."""
 
 
-def decode_value(data: bytes | io.BytesIO, *, step: int, fqn: str, trusted: bool) -> Any:
+def decode_value(
+    data: bytes | memoryview | io.BytesIO, *, step: int, fqn: str, trusted: bool
+) -> Any:
     """A non-tensor value as DCP stored it (``torch.save``), by weights_only rules unless
     ``trusted``; a refusal is an UnsafeCheckpointError naming the step and the item."""
     stream = data if isinstance(data, io.BytesIO) else io.BytesIO(data)
