@@ -141,6 +141,7 @@ class Nodes:
                 self.dir(n).mkdir(parents=True)
             else:
                 shutil.copytree(self.root / name / str(n), self.dir(n))
+        os.sync()  # the copies' writeback would otherwise land in the timed restore
 
     def serve(self, nodes: list[int]) -> None:
         from trainer_sidecar.store.chunk_cache import ChunkCache
@@ -316,7 +317,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="24 MiB, 1 repeat: a smoke run")
     parser.add_argument("--total-mib", type=int, default=768, help="state size (default 768)")
     parser.add_argument("--tensors", type=int, default=12, help="tensors in the state")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of the four variants")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of the six variants")
     bc.add_s3_arguments(parser)
     opts = parser.parse_args(argv)
     if opts.quick:

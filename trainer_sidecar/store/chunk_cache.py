@@ -29,6 +29,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,16 @@ class ChunkCache:
             return self.path(chunk_id).stat().st_size
         except (OSError, ValueError):
             return None
+
+    def open(self, chunk_id: str) -> BinaryIO | None:
+        """The entry, open for reading (it stays readable if evicted meanwhile), or None.
+        Touches it (LRU)."""
+        try:
+            f = open(self.path(chunk_id), "rb")  # noqa: SIM115 - the caller closes it
+        except (OSError, ValueError):
+            return None
+        _touch(f.fileno())
+        return f
 
     def read(self, chunk_id: str, start: int, end: int) -> bytes | None:
         """Raw bytes [start, end) of the entry, or None if it is not here (or too short:
