@@ -13,6 +13,10 @@ over 2 gloo ranks on CPU) and the same S3 server:
 * load at the same world size (2) and resharded (2 -> 1, 2 -> 3): ``Checkpointer.load``
   vs ``dcp.load`` with s3torchconnector's ``S3StorageReader`` (defaults: DCP-optimized
   reader). Every load is checked against per-tensor checksums taken at save time.
+* load, raw boto3 GETs: at each world size the ranks GET the raw save's 8 MiB objects
+  (the whole state, split evenly, 8 in flight per rank) and drop the bytes: no hash, no
+  copy into tensors. What this client gets from this server for the state's bytes:
+  where a load must read the whole state, no reader can be much faster.
 
 Each phase is timed from a barrier to the slowest rank's finish. Throughput is the
 state's tensor bytes over that time (MB = 10^6 bytes). Bytes uploaded by ours come
@@ -322,10 +326,34 @@ def phase_boto3_objects(model: Any, bucket: str) -> dict[str, Any]:
 
     seconds, _ = timed(put_all)
     uploaded = sum_over_ranks(sum(len(v) for v in views))
-    for i in range(0, len(keys), 1000):
-        batch = [{"Key": k} for k in keys[i : i + 1000]]
-        client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
-    return {"seconds": seconds, "bytes_uploaded": uploaded}
+    return {"seconds": seconds, "bytes_uploaded": uploaded}  # kept for phase_boto3_get
+
+
+def phase_boto3_get(bucket: str) -> dict[str, Any]:
+    """GET the raw objects (the whole state), split evenly over the ranks, 8 in flight per
+    rank; the bytes are dropped: this client's ceiling on this server."""
+    import concurrent.futures as cf
+
+    import torch.distributed as dist
+
+    client = boto3_client()
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="raw-objects/")
+    keys = sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+    mine = keys[dist.get_rank() :: dist.get_world_size()]
+
+    def get(key: str) -> int:
+        body = client.get_object(Bucket=bucket, Key=key)["Body"]
+        try:
+            return len(body.read())
+        finally:
+            body.close()
+
+    def get_all() -> int:
+        with cf.ThreadPoolExecutor(THREADS) as pool:
+            return sum(pool.map(get, mine))
+
+    seconds, fetched = timed(get_all)
+    return {"seconds": seconds, "bytes_fetched": sum_over_ranks(fetched)}
 
 
 _CHECKPOINTERS: dict[str, Any] = {}
@@ -437,6 +465,7 @@ def run_save_world(args: dict[str, Any]) -> dict[str, Any]:
     out[f"load_ours_w{world}"] = phase_ours_load(model, uri, after)
     if s3tc:
         out[f"load_s3torchconnector_w{world}"] = phase_s3tc_load(model, bucket, "s3tc", before)
+    out[f"load_boto3_w{world}"] = phase_boto3_get(bucket)
     return {"phases": out, "checksums": {"before": before, "after": after}}
 
 
@@ -452,6 +481,7 @@ def run_load_world(args: dict[str, Any]) -> dict[str, Any]:
         out[f"load_s3torchconnector_w{world}"] = phase_s3tc_load(
             model, args["bucket"], "s3tc", args["before"]
         )
+    out[f"load_boto3_w{world}"] = phase_boto3_get(args["bucket"])
     return {"phases": out}
 
 
@@ -657,6 +687,11 @@ def ratios(phases: dict[str, dict[str, Any]], load_worlds: list[int]) -> dict[st
         "save_throughput_ratio_vs_boto3": speed("save_ours_full", "save_boto3"),
         "save_throughput_ratio_vs_boto3_objects": speed("save_ours_full", "save_boto3_objects"),
     }
+    for w in [SAVE_WORLD, *load_worlds]:
+        if f"load_boto3_w{w}" in phases:
+            out[f"load_throughput_ratio_vs_raw_get_{SAVE_WORLD}to{w}"] = speed(
+                f"load_ours_w{w}", f"load_boto3_w{w}"
+            )
     if "save_s3torchconnector" not in phases:
         return out
     out["save_throughput_ratio_vs_s3torchconnector"] = speed(
@@ -674,6 +709,10 @@ def ratios(phases: dict[str, dict[str, Any]], load_worlds: list[int]) -> dict[st
         out[f"load_bytes_fetched_ratio_vs_s3torchconnector_{tag}"] = (
             ours["bytes_fetched"] / anchor["bytes_fetched"]
         )
+        if f"load_boto3_w{w}" in phases:
+            out[f"s3torchconnector_load_throughput_ratio_vs_raw_get_{tag}"] = speed(
+                f"load_s3torchconnector_w{w}", f"load_boto3_w{w}"
+            )
     return out
 
 
@@ -700,6 +739,7 @@ def row_label(name: str) -> str:
     if name in ROW_LABELS:
         return ROW_LABELS[name]
     who, world = name.removeprefix("load_").rsplit("_w", 1)
+    who = "raw boto3 GETs" if who == "boto3" else who
     return f"load  {who}, {SAVE_WORLD} -> {world} ranks"
 
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 KEYS = {"command", "date", "config", "server", "engine", "machine", "phases", "ratios", "targets"}
 SAVE_PHASES = {"save_boto3", "save_boto3_objects", "save_ours_full", "save_ours_incremental"}
-LOAD_PHASES = {"load_ours_w1", "load_ours_w2", "load_ours_w3"}
+LOAD_PHASES = {f"load_{who}_w{w}" for who in ("ours", "boto3") for w in (1, 2, 3)}
 S3TC_PHASES = {"save_s3torchconnector"} | {f"load_s3torchconnector_w{w}" for w in (1, 2, 3)}
 S3TC_RATIOS = {
     "save_throughput_ratio_vs_s3torchconnector",
@@ -38,6 +38,9 @@ def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
 
     ratios = report["ratios"]
     assert {"save_throughput_ratio_vs_boto3", "incremental_uploaded_fraction"} <= set(ratios)
+    assert {f"load_throughput_ratio_vs_raw_get_2to{w}" for w in (1, 2, 3)} <= set(ratios)
+    for w in (1, 2, 3):  # the raw GETs read the whole state, once, at every world size
+        assert phases[f"load_boto3_w{w}"]["bytes_fetched"] == report["config"]["total_bytes"]
     assert report["config"]["changed_fraction"] == pytest.approx(0.10)
     assert 0.09 <= ratios["incremental_uploaded_fraction"] <= 0.12
     assert report["targets"]["incremental_uploaded_fraction"]["met"] is True
