@@ -15,6 +15,9 @@ import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+import numpy.typing as npt
+
 from ..errors import CorruptCheckpointError, ObjectNotFound
 from ..format import codecs
 from ..format.chunking import blocks_for_range, blocks_match
@@ -144,17 +147,23 @@ class ChunkReader:
         ranges: Sequence[tuple[str, int, int]],
         into: Sequence[memoryview | None] | None = None,
     ) -> list[memoryview]:
-        """Many (file, start, end) ranges at once, each as a read-only view of its bytes.
+        """Many (file, start, end) ranges at once, each as a view of its bytes.
 
         Pieces that touch the same chunk are merged into as few block-aligned GETs
         as possible, and the GETs run in parallel. A range given a writable buffer in
         ``into`` (a flat byte view of exactly its size, such as a tensor's storage) is
-        written there, and that buffer is its result: the bytes are copied once, from
-        the response into place. A range within one fetch is a view of it (no copy); any
-        other is gathered into a new buffer.
+        written there, and that buffer is its result: each fetch's thread copies its
+        verified bytes into place as soon as it has them (numpy's copy, without the
+        GIL), and the fetched bytes are dropped. Of the other ranges, one that lies in a
+        single fetch is a read-only view of it (no copy); any other is gathered into a
+        new buffer.
         """
         if into is not None and len(into) != len(ranges):
             raise ValueError(f"{len(into)} buffers for {len(ranges)} ranges")
+        dsts = [None if into is None else into[n] for n in range(len(ranges))]
+        for (_, start, end), dst in zip(ranges, dsts, strict=True):
+            if dst is not None and dst.nbytes != end - start:
+                raise ValueError(f"a buffer of {dst.nbytes} bytes for a range of {end - start}")
         bs = self.manifest.block_size
         pieces: list[tuple[int, ChunkRef, int, int]] = []
         wanted: dict[str, list[tuple[int, int]]] = {}
@@ -172,41 +181,61 @@ class ChunkReader:
                 )
                 wanted.setdefault(chunk.id, []).append(span)
         fetches = [(cid, a, b) for cid, spans in wanted.items() for a, b in _merge(spans)]
+        spans: dict[str, list[tuple[int, int, int]]] = {}  # chunk id: (a, b, fetch index)
+        for k, (cid, a, b) in enumerate(fetches):
+            spans.setdefault(cid, []).append((a, b, k))
+        # each piece goes straight into its range's buffer (by the fetch's thread) or is kept
+        placed: list[list[tuple[npt.NDArray[np.uint8], int, int]]] = [[] for _ in fetches]
+        kept: list[tuple[int, int, int, int]] = []  # (range, fetch index, lo, hi)
+        arrays = [None if d is None else np.frombuffer(d.cast("B"), np.uint8) for d in dsts]
+        filled = [0] * len(ranges)
+        for n, chunk, s, e in pieces:
+            a, _, k = next(sp for sp in spans[chunk.id] if sp[0] <= s and e <= sp[1])
+            array = arrays[n]
+            if array is not None:
+                placed[k].append((array[filled[n] : filled[n] + e - s], s - a, e - a))
+            else:
+                kept.append((n, k, s - a, e - a))
+            filled[n] += e - s
+        needed = {k for _, k, _, _ in kept}
+
+        def fetch(k: int) -> memoryview | None:
+            cid, a, b = fetches[k]
+            data = self.fetch_verified(chunks[cid], a, b)
+            if placed[k]:
+                src = np.frombuffer(data, np.uint8)
+                for dst, lo, hi in placed[k]:
+                    dst[:] = src[lo:hi]
+            return data if k in needed else None
+
         if self.tiers is not None:
             self.tiers.prepare(chunks.values())
         with cf.ThreadPoolExecutor(self.parallelism, thread_name_prefix="ctj-read") as pool:
-            datas = list(pool.map(lambda f: self.fetch_verified(chunks[f[0]], f[1], f[2]), fetches))
-        got: dict[str, list[tuple[int, int, memoryview]]] = {}
-        for (cid, a, b), data in zip(fetches, datas, strict=True):
-            got.setdefault(cid, []).append((a, b, data))
+            datas = list(pool.map(fetch, range(len(fetches))))
         parts: list[list[memoryview]] = [[] for _ in ranges]
-        for n, chunk, s, e in pieces:
-            a, _, data = next(g for g in got[chunk.id] if g[0] <= s and e <= g[1])
-            parts[n].append(data[s - a : e - a])
+        for n, k, lo, hi in kept:
+            data = datas[k]
+            assert data is not None
+            parts[n].append(data[lo:hi])
         return [
-            _gather(p, into[n] if into is not None else None, end - start)
-            for n, (p, (_, start, end)) in enumerate(zip(parts, ranges, strict=True))
+            dst.cast("B") if dst is not None else _joined(p, end - start)
+            for dst, p, (_, start, end) in zip(dsts, parts, ranges, strict=True)
         ]
 
     def read_file(self, name: str) -> bytes:
         return bytes(self.read_ranges([(name, 0, self.manifest.files[name].size)])[0])
 
 
-def _gather(parts: list[memoryview], dst: memoryview | None, size: int) -> memoryview:
-    """``parts`` laid end to end: in ``dst`` if given, else a view of the only part, else a
-    new buffer."""
-    if dst is None:
-        if len(parts) == 1:
-            return parts[0]
-        dst = memoryview(bytearray(size))
-    if dst.nbytes != size:
-        raise ValueError(f"a buffer of {dst.nbytes} bytes for a range of {size}")
-    dst = dst.cast("B")
+def _joined(parts: list[memoryview], size: int) -> memoryview:
+    """``parts`` laid end to end: a view of the only part, else a new buffer."""
+    if len(parts) == 1:
+        return parts[0]
+    out = memoryview(bytearray(size))
     pos = 0
     for p in parts:
-        dst[pos : pos + p.nbytes] = p
+        out[pos : pos + p.nbytes] = p
         pos += p.nbytes
-    return dst
+    return out
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
