@@ -181,16 +181,16 @@ class ChunkReader:
                 )
                 wanted.setdefault(chunk.id, []).append(span)
         fetches = [(cid, a, b) for cid, spans in wanted.items() for a, b in _merge(spans)]
-        spans: dict[str, list[tuple[int, int, int]]] = {}  # chunk id: (a, b, fetch index)
+        fetched_in: dict[str, list[tuple[int, int, int]]] = {}  # chunk id: (a, b, fetch index)
         for k, (cid, a, b) in enumerate(fetches):
-            spans.setdefault(cid, []).append((a, b, k))
+            fetched_in.setdefault(cid, []).append((a, b, k))
         # each piece goes straight into its range's buffer (by the fetch's thread) or is kept
         placed: list[list[tuple[npt.NDArray[np.uint8], int, int]]] = [[] for _ in fetches]
         kept: list[tuple[int, int, int, int]] = []  # (range, fetch index, lo, hi)
         arrays = [None if d is None else np.frombuffer(d.cast("B"), np.uint8) for d in dsts]
         filled = [0] * len(ranges)
         for n, chunk, s, e in pieces:
-            a, _, k = next(sp for sp in spans[chunk.id] if sp[0] <= s and e <= sp[1])
+            a, _, k = next(f for f in fetched_in[chunk.id] if f[0] <= s and e <= f[1])
             array = arrays[n]
             if array is not None:
                 placed[k].append((array[filled[n] : filled[n] + e - s], s - a, e - a))
