@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ctj_contract import Env
+
 from .errors import CheckpointError
 from .format.chunking import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_SIZE, MIB
 from .format.codecs import Compression
@@ -28,8 +30,8 @@ _ATTEMPT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 def default_staging_root() -> str:
     """CTJ_STAGING_DIR if set; else memory-backed where the machine has it (/dev/shm),
     the temp dir otherwise."""
-    if os.environ.get("CTJ_STAGING_DIR"):
-        return os.environ["CTJ_STAGING_DIR"]
+    if os.environ.get(Env.STAGING_DIR):
+        return os.environ[Env.STAGING_DIR]
     shm = "/dev/shm"
     base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
     return os.path.join(base, f"ctj-staging-{os.getuid()}")
@@ -38,11 +40,6 @@ def default_staging_root() -> str:
 class BusyPolicy(enum.StrEnum):
     WAIT = "wait"  # a save that finds every slot uploading waits for one
     SKIP = "skip"  # ... or is skipped (counted) and training goes on
-
-
-class Persistence(enum.StrEnum):
-    THREAD = "thread"  # a thread of the training process uploads and commits
-    SIDECAR = "sidecar"  # the `ctj sidecar` process beside it does
 
 
 def _enum(field: str, kind: type[enum.StrEnum], value: str) -> Any:
@@ -135,10 +132,6 @@ class CheckpointConfig:
     cache_token: str | None = dataclasses.field(default=None, repr=False)
     """The job's secret for the peer caches (CTJ_CACHE_TOKEN); never logged."""
 
-    @property
-    def persistence(self) -> Persistence:
-        return Persistence.SIDECAR if self.sidecar else Persistence.THREAD
-
     def __post_init__(self) -> None:
         Location.parse(self.uri)  # raises a CheckpointError naming the problem
 
@@ -181,31 +174,32 @@ class CheckpointConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> CheckpointConfig:
-        """CTJ_CHECKPOINT_URI, CTJ_CHECKPOINT_MODE, ... (the operator sets these in pods)."""
+        """CTJ_CHECKPOINT_URI, CTJ_CHECKPOINT_MODE, ... (``ctj_contract.Env``: the operator
+        sets those in pods; the others are the user's)."""
         env = dict(os.environ if env is None else env)
         names: dict[str, tuple[str, Callable[[str], Any]]] = {
-            "uri": ("CTJ_CHECKPOINT_URI", str),
-            "mode": ("CTJ_CHECKPOINT_MODE", str),
-            "full_every": ("CTJ_CHECKPOINT_FULL_EVERY", int),
-            "keep_last": ("CTJ_CHECKPOINT_KEEP_LAST", int),
+            "uri": (Env.CHECKPOINT_URI, str),
+            "mode": (Env.CHECKPOINT_MODE, str),
+            "full_every": (Env.CHECKPOINT_FULL_EVERY, int),
+            "keep_last": (Env.CHECKPOINT_KEEP_LAST, int),
             "chunk_size": ("CTJ_CHECKPOINT_CHUNK_SIZE", int),
             "block_size": ("CTJ_CHECKPOINT_BLOCK_SIZE", int),
             "compression": ("CTJ_CHECKPOINT_COMPRESSION", str),
             "parallelism": ("CTJ_CHECKPOINT_PARALLELISM", int),
-            "staging_dir": ("CTJ_STAGING_DIR", str),
-            "endpoint_url": ("AWS_ENDPOINT_URL", str),
-            "sidecar": ("CTJ_SIDECAR", _flag),
+            "staging_dir": (Env.STAGING_DIR, str),
+            "endpoint_url": (Env.S3_ENDPOINT, str),
+            "sidecar": (Env.SIDECAR, _flag),
             "staging_slots": ("CTJ_STAGING_SLOTS", int),
             "busy_policy": ("CTJ_BUSY_POLICY", str),
             "shutdown_grace_s": ("CTJ_SHUTDOWN_GRACE_S", float),
             "metrics_port": ("CTJ_METRICS_PORT", int),
-            "attempt": ("CTJ_ATTEMPT", str),
+            "attempt": (Env.ATTEMPT, str),
             "trust_pickled_values": ("CTJ_TRUST_PICKLED_VALUES", _flag),
-            "cache_dir": ("CTJ_CACHE_DIR", str),
-            "cache_max_bytes": ("CTJ_CACHE_MAX_BYTES", int),
-            "cache_peers": ("CTJ_CACHE_PEERS", _peer_list),
-            "cache_port": ("CTJ_CACHE_PORT", int),
-            "cache_token": ("CTJ_CACHE_TOKEN", str),
+            "cache_dir": (Env.CACHE_DIR, str),
+            "cache_max_bytes": (Env.CACHE_MAX_BYTES, int),
+            "cache_peers": (Env.CACHE_PEERS, _peer_list),
+            "cache_port": (Env.CACHE_PORT, int),
+            "cache_token": (Env.CACHE_TOKEN, str),
         }
         values: dict[str, Any] = {}
         for field, (var, typ) in names.items():

@@ -19,6 +19,9 @@ From each patch's reply it reads ``metadata.annotations["training.ctj.dev/checkp
 where ``Checkpointer.preemption_requested()`` finds it (save at the step boundary, wait for
 the commit, stop: the operator checkpoints a job before a planned resize).
 
+The names and the patch's form are the contract's (``ctj_contract``), which the operator
+imports too.
+
 Failures (API server unreachable, 403, 404) are logged as one line, at most every 30 s,
 and never stop the persisting. The thread stops, joined, when the sidecar's ``run()``
 returns; it imports nothing and never touches torch (the kubernetes client is built on
@@ -37,6 +40,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from ctj_contract import (
+    ANNOTATION_CHECKPOINT_REQUEST,
+    ANNOTATION_LAST_CHECKPOINT,
+    Env,
+    LastCheckpoint,
+    annotations_of,
+    heartbeat_patch,
+    rfc3339,
+)
+
 from . import __version__
 from .errors import CheckpointError
 from .metrics import HeartbeatMetrics
@@ -44,8 +57,6 @@ from .save.slots import read_request, request_path, write_request
 
 log = logging.getLogger("ctj.heartbeat")
 
-LAST_CHECKPOINT = "training.ctj.dev/last-checkpoint"
-CHECKPOINT_REQUEST = "training.ctj.dev/checkpoint-request"
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 DEFAULT_PERIOD_S = 2.0
 LOG_EVERY_S = 30.0
@@ -70,42 +81,11 @@ class CommittedCheckpoint(Protocol):
 # -- the pure parts --------------------------------------------------------------------
 
 
-def micro_time(ts: float) -> str:
-    """A Kubernetes MicroTime: RFC 3339 in UTC with microseconds, 2026-12-01T12:00:00.123456Z."""
-    us = round(ts * 1_000_000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(us // 1_000_000)) + (
-        f".{us % 1_000_000:06d}Z"
-    )
-
-
-def rfc3339(ts: float) -> str:
-    """RFC 3339 in UTC to the second (the form the operator's status uses)."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
-
-
 def last_checkpoint_value(manifest: CommittedCheckpoint) -> str:
-    """The last-checkpoint annotation: compact JSON of step, time and logical bytes."""
-    return json.dumps(
-        {
-            "step": int(manifest.step),
-            "time": rfc3339(manifest.created),
-            "bytes": int(manifest.logical_bytes),
-        },
-        separators=(",", ":"),
-    )
-
-
-def patch_body(renew: float, last_checkpoint: str | None) -> dict[str, Any]:
-    """One beat's merge patch: the renew time, and the annotation when it is to be sent."""
-    body: dict[str, Any] = {"spec": {"renewTime": micro_time(renew)}}
-    if last_checkpoint is not None:
-        body["metadata"] = {"annotations": {LAST_CHECKPOINT: last_checkpoint}}
-    return body
-
-
-def annotations_of(lease: Mapping[str, Any]) -> dict[str, str]:
-    metadata = lease.get("metadata") or {}
-    return dict(metadata.get("annotations") or {})
+    """The last-checkpoint annotation: step, time and logical bytes (the contract's form)."""
+    return LastCheckpoint(
+        step=int(manifest.step), time=rfc3339(manifest.created), bytes=int(manifest.logical_bytes)
+    ).encode()
 
 
 def describe(exc: BaseException) -> str:
@@ -199,10 +179,10 @@ class HeartbeatSettings:
         """CTJ_HEARTBEAT_LEASE (unset: no heartbeat), CTJ_POD_NAMESPACE (else the service
         account's namespace), CTJ_HEARTBEAT_PERIOD_S (2.0), NODE_RANK ("0": rank 0)."""
         env = os.environ if env is None else env
-        lease = (env.get("CTJ_HEARTBEAT_LEASE") or "").strip()
+        lease = (env.get(Env.HEARTBEAT_LEASE) or "").strip()
         if not lease:
             return None
-        namespace = (env.get("CTJ_POD_NAMESPACE") or "").strip()
+        namespace = (env.get(Env.POD_NAMESPACE) or "").strip()
         if not namespace:
             try:
                 namespace = Path(SERVICE_ACCOUNT_NAMESPACE).read_text().strip()
@@ -213,12 +193,12 @@ class HeartbeatSettings:
                 "CTJ_HEARTBEAT_LEASE is set but CTJ_POD_NAMESPACE is not (and there is no "
                 "service account namespace file): set it to the pod's namespace"
             )
-        raw = (env.get("CTJ_HEARTBEAT_PERIOD_S") or "").strip()
+        raw = (env.get(Env.HEARTBEAT_PERIOD_S) or "").strip()
         try:
             period = float(raw) if raw else DEFAULT_PERIOD_S
         except ValueError:
             raise CheckpointError(f"CTJ_HEARTBEAT_PERIOD_S={raw!r} is not a number") from None
-        rank0 = (env.get("NODE_RANK") or "").strip() == "0"
+        rank0 = (env.get(Env.NODE_RANK) or "").strip() == "0"
         return cls(lease=lease, namespace=namespace, period_s=period, rank0=rank0)
 
 
@@ -286,7 +266,7 @@ class Heartbeat:
         return None if value == self.acked else value
 
     def body(self) -> dict[str, Any]:
-        return patch_body(self._clock(), self.pending_annotation())
+        return heartbeat_patch(self._clock(), self.pending_annotation())
 
     def beat(self) -> bool:
         """Send one patch and act on the reply; False (logged, counted) if it failed."""
@@ -306,11 +286,11 @@ class Heartbeat:
             self.metrics.beats.inc()
         self._api_log.success()
         annotations = annotations_of(lease)
-        sent = (body.get("metadata") or {}).get("annotations", {}).get(LAST_CHECKPOINT)
-        self.acked = annotations.get(LAST_CHECKPOINT)
+        sent = (body.get("metadata") or {}).get("annotations", {}).get(ANNOTATION_LAST_CHECKPOINT)
+        self.acked = annotations.get(ANNOTATION_LAST_CHECKPOINT)
         if sent is not None and self.acked == sent:
             log.info("heartbeat: reported the last checkpoint %s", sent)
-        self._take_request(annotations.get(CHECKPOINT_REQUEST))
+        self._take_request(annotations.get(ANNOTATION_CHECKPOINT_REQUEST))
         return True
 
     def _ended(self) -> None:

@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+from ctj_contract import ANNOTATION_CHECKPOINT_REQUEST as CHECKPOINT_REQUEST
+from ctj_contract import ANNOTATION_LAST_CHECKPOINT as LAST_CHECKPOINT
+from ctj_contract import micro_time
 from ctj_devcluster import Cluster
 from ctj_devcluster.processes import wait_until
 from kubernetes import client
@@ -23,7 +26,6 @@ from tests.integration.ranks import run_ranks
 from tests.integration.test_sidecar import Sidecar, big_model, sidecar_config
 from trainer_sidecar import Checkpointer
 from trainer_sidecar.config import job_staging_dir
-from trainer_sidecar.heartbeat import CHECKPOINT_REQUEST, LAST_CHECKPOINT, micro_time
 from trainer_sidecar.store import repository as repo
 
 pytestmark = pytest.mark.cluster

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ctj_contract import ANNOTATION_CHECKPOINT_REQUEST, ANNOTATION_LAST_CHECKPOINT, micro_time
 
 from tests.conftest import ROOT
 from trainer_sidecar import heartbeat as hb
@@ -87,16 +88,16 @@ def make(
 
 
 def sent_annotation(body: dict[str, Any]) -> str | None:
-    return (body.get("metadata") or {}).get("annotations", {}).get(hb.LAST_CHECKPOINT)
+    return (body.get("metadata") or {}).get("annotations", {}).get(ANNOTATION_LAST_CHECKPOINT)
 
 
 # -- formats --------------------------------------------------------------------------
 
 
 def test_micro_time_is_rfc3339_utc_with_microseconds() -> None:
-    assert hb.micro_time(T0) == "2026-12-01T12:00:00.123456Z"
-    assert hb.micro_time(1796126400.0) == "2026-12-01T12:00:00.000000Z"
-    assert hb.micro_time(1796126400.9999996) == "2026-12-01T12:00:01.000000Z"  # no 60th second
+    assert micro_time(T0) == "2026-12-01T12:00:00.123456Z"
+    assert micro_time(1796126400.0) == "2026-12-01T12:00:00.000000Z"
+    assert micro_time(1796126400.9999996) == "2026-12-01T12:00:01.000000Z"  # no 60th second
 
 
 def test_last_checkpoint_is_compact_json_of_step_time_bytes() -> None:
@@ -138,7 +139,7 @@ def test_annotation_is_sent_once_per_change(tmp_path: Path) -> None:
     beat.beat()
     sent = [sent_annotation(b) for b in lease.bodies]
     assert [json.loads(s)["step"] if s else None for s in sent] == [10, None, 20, None]
-    assert json.loads(lease.annotations[hb.LAST_CHECKPOINT]) == {
+    assert json.loads(lease.annotations[ANNOTATION_LAST_CHECKPOINT]) == {
         "step": 20,
         "time": "2026-12-01T12:00:00Z",
         "bytes": 8192,
@@ -168,7 +169,7 @@ def test_annotation_is_resent_when_the_lease_lost_it(tmp_path: Path) -> None:
 def test_a_lease_already_carrying_the_value_is_not_patched_with_it(tmp_path: Path) -> None:
     """A restarted sidecar whose Lease carries its latest commit sends it no more."""
     beat, lease, _ = make(tmp_path, latest=[Commit(step=10)])
-    lease.annotations[hb.LAST_CHECKPOINT] = hb.last_checkpoint_value(Commit(step=10))
+    lease.annotations[ANNOTATION_LAST_CHECKPOINT] = hb.last_checkpoint_value(Commit(step=10))
     beat.beat()  # the first beat does not know yet, so it sends
     beat.beat()
     assert [sent_annotation(b) is not None for b in lease.bodies] == [True, False]
@@ -181,7 +182,7 @@ def test_a_new_request_id_is_written_atomically_once(tmp_path: Path) -> None:
     beat, lease, _ = make(tmp_path)
     beat.beat()
     assert slots.read_request(tmp_path) is None and not (tmp_path / slots.REQUEST_FILE).exists()
-    lease.annotations[hb.CHECKPOINT_REQUEST] = "resize-3"
+    lease.annotations[ANNOTATION_CHECKPOINT_REQUEST] = "resize-3"
     beat.beat()
     path = tmp_path / "checkpoint-request"
     assert path.read_text() == "resize-3"
@@ -190,14 +191,14 @@ def test_a_new_request_id_is_written_atomically_once(tmp_path: Path) -> None:
     path.unlink()
     beat.beat()  # the same id again: not written again
     assert not path.exists()
-    lease.annotations[hb.CHECKPOINT_REQUEST] = "resize-4"
+    lease.annotations[ANNOTATION_CHECKPOINT_REQUEST] = "resize-4"
     beat.beat()
     assert path.read_text() == "resize-4" and beat.request_seen == "resize-4"
 
 
 def test_an_empty_request_annotation_is_no_request(tmp_path: Path) -> None:
     beat, lease, _ = make(tmp_path)
-    lease.annotations[hb.CHECKPOINT_REQUEST] = "  "
+    lease.annotations[ANNOTATION_CHECKPOINT_REQUEST] = "  "
     beat.beat()
     assert slots.read_request(tmp_path) is None
 
@@ -206,7 +207,7 @@ def test_a_request_already_in_the_root_is_known_at_start(tmp_path: Path) -> None
     slots.write_request(tmp_path, "resize-3")
     beat, lease, _ = make(tmp_path)
     assert beat.request_seen == "resize-3"
-    lease.annotations[hb.CHECKPOINT_REQUEST] = "resize-3"
+    lease.annotations[ANNOTATION_CHECKPOINT_REQUEST] = "resize-3"
     os.utime(tmp_path / slots.REQUEST_FILE, (0, 0))
     beat.beat()
     assert (tmp_path / slots.REQUEST_FILE).stat().st_mtime == 0  # not rewritten
@@ -217,7 +218,7 @@ def test_a_request_that_cannot_be_written_is_tried_again(
 ) -> None:
     root = tmp_path / "gone"
     beat, lease, _ = make(root)
-    lease.annotations[hb.CHECKPOINT_REQUEST] = "resize-3"
+    lease.annotations[ANNOTATION_CHECKPOINT_REQUEST] = "resize-3"
     with caplog.at_level(logging.WARNING, "ctj.heartbeat"):
         assert beat.beat()  # the beat itself worked
     assert "writing" in caplog.text and "failed" in caplog.text and beat.request_seen is None
@@ -335,7 +336,7 @@ def test_the_thread_beats_until_stopped_then_reports_a_late_commit(tmp_path: Pat
         commits.append(Commit(step=5))
     beat.stop()
     assert not beat.alive and closed.is_set()
-    assert json.loads(lease.annotations[hb.LAST_CHECKPOINT])["step"] == 5
+    assert json.loads(lease.annotations[ANNOTATION_LAST_CHECKPOINT])["step"] == 5
     renewals = [b["spec"]["renewTime"] for b in lease.bodies]
     assert renewals == sorted(renewals) and len(renewals) >= 4
 
