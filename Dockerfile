@@ -26,9 +26,9 @@ WORKDIR /app
 # --- dependencies: a venv per target, /opt/venv ------------------------------------------
 
 FROM base AS operator-deps
-# The operator reads checkpoint manifests through trainer_sidecar.repository, hence the
-# store's dependencies; never torch.
-ARG OPERATOR_PACKAGES="kopf kubernetes prometheus-client boto3 blake3 zstandard tqdm numpy"
+# The operator imports only these, the contract and itself (tests/unit/test_chart_files.py
+# checks its imports): no torch, no S3 client, no checkpoint engine.
+ARG OPERATOR_PACKAGES="kopf kubernetes prometheus-client"
 COPY requirements/dev.txt /tmp/dev.txt
 RUN --mount=type=cache,target=/root/.cache/pip,id=ctj-pip set -eu; \
     for p in $OPERATOR_PACKAGES; do grep -E "^${p}(\[[^]]*\])?==" /tmp/dev.txt \
@@ -54,13 +54,14 @@ RUN --mount=type=cache,target=/root/.cache/pip,id=ctj-pip set -eu; \
 # --- final images: the venv, our code in /app, a non-root user --------------------------
 
 FROM operator-deps AS operator
-COPY trainer_sidecar/ /app/trainer_sidecar/
+COPY contract/ctj_contract/ /app/ctj_contract/
 COPY operator/ctj_operator/ /app/ctj_operator/
 USER 65532:65532
 EXPOSE 8080 8081
 ENTRYPOINT ["python", "-m", "ctj_operator"]
 
 FROM trainer-deps AS trainer
+COPY contract/ctj_contract/ /app/ctj_contract/
 COPY trainer_sidecar/ /app/trainer_sidecar/
 COPY examples/ /app/examples/
 # `ctj ...` as in the README (the same as python -m trainer_sidecar)

@@ -24,9 +24,9 @@ hack/system-tools.sh                # promtool
 wait "$bin_pid" || { cat "$bin_log" >&2; echo "ctj: building the cluster binaries failed" >&2; exit 1; }
 cat "$bin_log" >&2
 phase "ruff"
-ruff check trainer_sidecar operator tests bench hack/ctj_devcluster hack/ctj_stack examples
+ruff check trainer_sidecar operator contract tests bench hack/ctj_devcluster hack/ctj_stack examples
 phase "mypy"
-mypy trainer_sidecar operator/ctj_operator hack/ctj_devcluster hack/ctj_stack bench
+mypy trainer_sidecar operator/ctj_operator contract/ctj_contract hack/ctj_devcluster hack/ctj_stack bench
 
 e2e_cluster="${CTJ_E2E_CLUSTER:-ctj-e2e}"
 e2e_env="$(mktemp)" e2e_log="$(mktemp)" e2e_made=""

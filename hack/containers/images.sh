@@ -85,7 +85,8 @@ built_dir() { "$root/hack/cluster-binaries.sh" | sed -n "s/^$1=//p"; }
 
 wanted=("$@"); (( ${#wanted[@]} )) || wanted=(operator trainer seaweedfs kubeflow)
 ctj_key="$(key "$root/Dockerfile" "$root/.dockerignore" "$root/requirements/dev.txt" \
-  "$root/trainer_sidecar" "$root/operator/ctj_operator" "$root/examples" "$python")"
+  "$root/trainer_sidecar" "$root/operator/ctj_operator" "$root/contract/ctj_contract" \
+  "$root/examples" "$python")"
 for what in "${wanted[@]}"; do
   case "$what" in
     operator|trainer)

@@ -37,14 +37,6 @@ def die_with_parent() -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def free_port() -> int:
-    """ports.free_port (kept here for old imports): a port that was free a moment ago;
-    start servers on it with ports.retry_on_bind_conflict, which handles losing it."""
-    from .ports import free_port as choose
-
-    return choose()
-
-
 def wait_until(
     predicate: Callable[[], object],
     *,

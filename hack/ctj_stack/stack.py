@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from ctj_contract import GROUP, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK, PLURAL, VERSION
 from ctj_devcluster.binaries import built_dirs
 from ctj_devcluster.cluster import wait_crd_established
 from ctj_devcluster.processes import wait_until
@@ -27,7 +28,6 @@ CHART = ROOT / "charts" / "ctj"
 EXAMPLE_JOB = ROOT / "examples" / "job.yaml"
 SEAWEEDFS_MANIFEST = ROOT / "deploy" / "seaweedfs" / "seaweedfs.yaml"
 KUBEFLOW_MANIFEST = ROOT / "deploy" / "kubeflow" / "training-operator.yaml"
-GROUP = "training.ctj.dev"
 S3_NAMESPACE = "seaweedfs"
 KUBEFLOW_NAMESPACE = "kubeflow"
 KUBEFLOW_WEBHOOK = "validator.training-operator.kubeflow.org"
@@ -340,7 +340,7 @@ class Stack:
 
     def job(self, namespace: str, name: str) -> dict[str, Any]:
         obj = self.custom.get_namespaced_custom_object(
-            GROUP, "v1alpha1", namespace, "checkpointedtrainingjobs", name
+            GROUP, VERSION, namespace, PLURAL, name
         )
         assert isinstance(obj, dict)
         return obj
@@ -349,14 +349,14 @@ class Stack:
         return dict(self.job(namespace, name).get("status") or {})
 
     def pods(self, namespace: str, name: str) -> list[Any]:
-        selector = f"{GROUP}/job-name={name}"
+        selector = f"{LABEL_JOB}={name}"
         return list(self.core.list_namespaced_pod(namespace, label_selector=selector).items)
 
     def attempt_pods(self, namespace: str, name: str, attempt: int) -> list[Any]:
         return [
             p
             for p in self.pods(namespace, name)
-            if p.metadata.labels.get(f"{GROUP}/attempt") == str(attempt)
+            if p.metadata.labels.get(LABEL_ATTEMPT) == str(attempt)
         ]
 
     def running(self, namespace: str, name: str, world: int) -> dict[str, Any] | None:
@@ -402,7 +402,7 @@ class Stack:
             pods = [
                 p
                 for p in self.attempt_pods(namespace, name, attempt)
-                if p.metadata.labels.get(f"{GROUP}/node-rank") == "0"
+                if p.metadata.labels.get(LABEL_RANK) == "0"
                 or p.metadata.labels.get(KF_REPLICA_TYPE) == "master"
             ]
             if not pods:
@@ -492,7 +492,7 @@ class Stack:
         if self.serves_pytorchjobs():
             listing = self.custom.list_namespaced_custom_object(
                 "kubeflow.org", "v1", namespace, "pytorchjobs",
-                label_selector=f"{GROUP}/job-name={name}",
+                label_selector=f"{LABEL_JOB}={name}",
             )  # fmt: skip
             found += [f"pytorchjob/{o['metadata']['name']}" for o in listing["items"]]
         listings: list[tuple[str, Callable[..., Any]]] = [
@@ -509,6 +509,6 @@ class Stack:
                     for o in obj.metadata.owner_references or []
                     if o.kind == "CheckpointedTrainingJob"
                 ]
-                if labels.get(f"{GROUP}/job-name") == name or name in owners:
+                if labels.get(LABEL_JOB) == name or name in owners:
                     found.append(f"{kind}/{obj.metadata.name}")
         return found

@@ -20,12 +20,15 @@ import threading
 from typing import Any
 
 import kopf
+from ctj_contract import GROUP
 from kubernetes import client, config
 
-from . import handlers  # noqa: F401 - registers the handlers
-from .capacity import parse_quantity
-from .handlers import METRICS, Cluster
+from . import handlers
+from .apply import Api
+from .builders import DEFAULT_SIDECAR_IMAGE
 from .leader import ElectionConfig, LeaderElection
+from .quantities import parse_quantity
+from .runtime import Operator, OperatorConfig
 from .spec import NodeCache, SpecError
 
 log = logging.getLogger("ctj.operator")
@@ -90,15 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # "Timer succeeded" each second
     api = _api_client(args.kubeconfig)
-    Cluster.connect(api, sidecar_image=args.sidecar_image, node_cache=_node_cache(parser, args))
     if _has_pytorchjobs(api):
-        kopf.index("kubeflow.org", "v1", "pytorchjobs", labels={handlers.LABEL_JOB: kopf.PRESENT})(
-            handlers.ctj_pytorchjobs
-        )
-        Cluster.pytorchjob_index = True
+        handlers.register_pytorchjobs()
+    config = OperatorConfig(
+        sidecar_image=args.sidecar_image or DEFAULT_SIDECAR_IMAGE,
+        node_cache=_node_cache(parser, args),
+    )
+    op = Operator(api=Api.connect(api), config=config)
     from prometheus_client import start_http_server
 
-    start_http_server(args.metrics_port, registry=METRICS.registry)  # a standby's too
+    start_http_server(args.metrics_port, registry=op.metrics.registry)  # a standby's too
     if not args.no_leader_election:
         leader = LeaderElection(
             client.CoordinationV1Api(api),
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         with _standby_liveness(args.liveness_port):
             leader.acquire()
-        Cluster.leader = leader
+        op.leader = leader
         leader.keep(on_lost=lambda: os._exit(1))  # client-go's way: never act unsure
 
     @kopf.on.startup()
@@ -119,12 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         settings.networking.request_timeout = 30
         settings.posting.level = logging.INFO
         settings.execution.max_workers = 32  # reconciles block on API calls; jobs are many
-        settings.persistence.finalizer = f"{handlers.GROUP}/operator"
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-            prefix=handlers.GROUP
-        )
+        settings.persistence.finalizer = f"{GROUP}/operator"
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=handlers.GROUP, key="last-handled-configuration"
+            prefix=GROUP, key="last-handled-configuration"
         )
         settings.scanning.disabled = True  # no CRD/namespace watching: least privilege
         # a deleted job keeps kopf's finalizer until its reconcile timer has stopped; a
@@ -139,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
             return kopf.login_with_kubeconfig(**kwargs)  # reads KUBECONFIG when called
 
-    if Cluster.leader is not None:
-        stop_leader = Cluster.leader.release
+    if op.leader is not None:
+        stop_leader = op.leader.release
 
         @kopf.on.cleanup()
         def release(**_: Any) -> None:
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             namespaces=namespaces,
             liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz",
             standalone=True,
+            memo=kopf.Memo(operator=op),
         )
     )
     return 0

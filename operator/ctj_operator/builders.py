@@ -10,22 +10,32 @@ staging volume they share. Credentials only ever travel as secretKeyRefs.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
-from .spec import GROUP, VERSION, JobSpec
+from ctj_contract import (
+    CACHE_TOKEN_KEY,
+    GROUP,
+    KIND,
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    LABEL_RANK,
+    LABEL_WORLD,
+    VERSION,
+    Env,
+)
 
-LABEL_JOB = f"{GROUP}/job-name"
-LABEL_ATTEMPT = f"{GROUP}/attempt"
-LABEL_RANK = f"{GROUP}/node-rank"
-LABEL_WORLD = f"{GROUP}/world-size"
+from .spec import Backend, JobSpec
+
 MASTER_PORT = 29500
 METRICS_PORT = 9400
 STAGING_PATH = "/ctj/staging"
 CACHE_PATH = "/ctj/cache"
 CACHE_PORT = 9402  # each sidecar serves its node's chunk cache to the job's peers here
 DEFAULT_SIDECAR_IMAGE = "ctj-trainer:latest"
-ANNOTATION_LAST_CHECKPOINT = f"{GROUP}/last-checkpoint"  # rank 0's sidecar writes it
-ANNOTATION_CHECKPOINT_REQUEST = f"{GROUP}/checkpoint-request"  # the operator writes it
+SIDECAR_NAME = "ctj-sidecar"
+CACHE_STEP_NAME = "ctj-cache-permissions"
+CACHE_STEP_RESOURCES = {"requests": {"cpu": "10m", "memory": "16Mi"}}
 # what the Kubeflow controller labels its pods with (rank = 0 for the master, index + 1 else)
 KF_REPLICA_TYPE = "training.kubeflow.org/replica-type"
 KF_REPLICA_INDEX = "training.kubeflow.org/replica-index"
@@ -48,7 +58,7 @@ def pytorchjob_name(job: str, attempt: int) -> str:
 def rank_pod_name(spec: JobSpec, job: str, attempt: int, node_rank: int) -> str:
     """The pod holding ``node_rank``, named by us (backend pods) or, as the Kubeflow
     controller names them, ``<pytorchjob>-master-0`` and ``<pytorchjob>-worker-<i>``."""
-    if spec.backend != "pytorchjob":
+    if spec.backend != Backend.PYTORCHJOB:
         return pod_name(job, attempt, node_rank)
     base = pytorchjob_name(job, attempt)
     return f"{base}-master-0" if node_rank == 0 else f"{base}-worker-{node_rank - 1}"
@@ -58,7 +68,7 @@ def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
     meta = body["metadata"]
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "CheckpointedTrainingJob",
+        "kind": KIND,
         "name": meta["name"],
         "uid": meta["uid"],
         "controller": True,
@@ -89,17 +99,17 @@ def build_service(body: dict[str, Any]) -> dict[str, Any]:
 def _storage_env(spec: JobSpec, uri: str) -> list[dict[str, Any]]:
     ck = spec.checkpoint
     env: list[dict[str, Any]] = [
-        {"name": "CTJ_CHECKPOINT_URI", "value": uri},
-        {"name": "CTJ_CHECKPOINT_MODE", "value": ck.mode},
-        {"name": "CTJ_CHECKPOINT_FULL_EVERY", "value": str(ck.full_every)},
-        {"name": "CTJ_CHECKPOINT_KEEP_LAST", "value": str(ck.keep_last)},
-        {"name": "CTJ_STAGING_DIR", "value": STAGING_PATH},
-        {"name": "CTJ_SIDECAR", "value": "1"},
+        {"name": Env.CHECKPOINT_URI, "value": uri},
+        {"name": Env.CHECKPOINT_MODE, "value": ck.mode},
+        {"name": Env.CHECKPOINT_FULL_EVERY, "value": str(ck.full_every)},
+        {"name": Env.CHECKPOINT_KEEP_LAST, "value": str(ck.keep_last)},
+        {"name": Env.STAGING_DIR, "value": STAGING_PATH},
+        {"name": Env.SIDECAR, "value": "1"},
     ]
     if ck.endpoint:
-        env.append({"name": "AWS_ENDPOINT_URL", "value": ck.endpoint})
+        env.append({"name": Env.S3_ENDPOINT, "value": ck.endpoint})
     if ck.credentials_secret:
-        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        for key in (Env.S3_ACCESS_KEY, Env.S3_SECRET_KEY):
             env.append(
                 {
                     "name": key,
@@ -125,7 +135,7 @@ def build_cache_secret(body: dict[str, Any], token: str) -> dict[str, Any]:
             "ownerReferences": [owner_reference(body)],
         },
         "type": "Opaque",
-        "stringData": {"token": token},
+        "stringData": {CACHE_TOKEN_KEY: token},
     }
 
 
@@ -149,13 +159,13 @@ def _node_cache(
         }
     )
     env: list[dict[str, Any]] = [
-        {"name": "CTJ_CACHE_DIR", "value": CACHE_PATH},
-        {"name": "CTJ_CACHE_MAX_BYTES", "value": str(cache.size_bytes)},
-        {"name": "CTJ_CACHE_PEERS", "value": ",".join(peers)},
+        {"name": Env.CACHE_DIR, "value": CACHE_PATH},
+        {"name": Env.CACHE_MAX_BYTES, "value": str(cache.size_bytes)},
+        {"name": Env.CACHE_PEERS, "value": ",".join(peers)},
         {
-            "name": "CTJ_CACHE_TOKEN",
+            "name": Env.CACHE_TOKEN,
             "valueFrom": {
-                "secretKeyRef": {"name": cache_secret_name(meta["name"]), "key": "token"}
+                "secretKeyRef": {"name": cache_secret_name(meta["name"]), "key": CACHE_TOKEN_KEY}
             },
         },
     ]
@@ -165,7 +175,7 @@ def _node_cache(
         container.setdefault("volumeMounts", []).append(
             {"name": "ctj-cache", "mountPath": CACHE_PATH}
         )
-    sidecar["env"].append({"name": "CTJ_CACHE_PORT", "value": str(CACHE_PORT)})
+    sidecar["env"].append({"name": Env.CACHE_PORT, "value": str(CACHE_PORT)})
     sidecar["ports"].append({"name": "peer-cache", "containerPort": CACHE_PORT})
     # A kubelet makes a hostPath directory root's, mode 0755: our non-root containers could
     # not write it, and the cache would turn itself off. One root step with no capability
@@ -173,7 +183,7 @@ def _node_cache(
     pod_spec["initContainers"].insert(
         0,
         {
-            "name": "ctj-cache-permissions",
+            "name": CACHE_STEP_NAME,
             "image": sidecar["image"],
             "command": ["chmod", "1777", CACHE_PATH],
             "securityContext": {
@@ -182,7 +192,7 @@ def _node_cache(
                 "allowPrivilegeEscalation": False,
                 "capabilities": {"drop": ["ALL"]},
             },
-            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+            "resources": copy.deepcopy(CACHE_STEP_RESOURCES),
             "volumeMounts": [{"name": "ctj-cache", "mountPath": CACHE_PATH}],
         },
     )
@@ -199,21 +209,21 @@ def _heartbeat_env(spec: JobSpec, node_rank: int | None) -> list[dict[str, Any]]
     None: a Worker template the Kubeflow controller stamps out, whose sidecar only needs
     to know it is not rank 0."""
     env: list[dict[str, Any]] = [
-        {"name": "CTJ_HEARTBEAT_LEASE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": Env.HEARTBEAT_LEASE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {
-            "name": "CTJ_POD_NAMESPACE",
+            "name": Env.POD_NAMESPACE,
             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
         },
-        {"name": "CTJ_HEARTBEAT_PERIOD_S", "value": f"{spec.detection.heartbeat_period_seconds:g}"},
+        {"name": Env.HEARTBEAT_PERIOD_S, "value": f"{spec.detection.heartbeat_period_seconds:g}"},
     ]
     if node_rank is not None:
-        env.append({"name": "NODE_RANK", "value": str(node_rank)})
+        env.append({"name": Env.NODE_RANK, "value": str(node_rank)})
     return env
 
 
 def _sidecar(spec: JobSpec, uri: str) -> dict[str, Any]:
     sidecar: dict[str, Any] = {
-        "name": "ctj-sidecar",
+        "name": SIDECAR_NAME,
         "image": spec.checkpoint.sidecar_image or DEFAULT_SIDECAR_IMAGE,
         "command": [
             "python",
@@ -225,7 +235,7 @@ def _sidecar(spec: JobSpec, uri: str) -> dict[str, Any]:
         ],
         "restartPolicy": "Always",  # a native sidecar: outlives nothing, stops after the trainer
         "env": _storage_env(spec, uri)
-        + [{"name": "CTJ_METRICS_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        + [{"name": Env.METRICS_HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
         "volumeMounts": [{"name": "ctj-staging", "mountPath": STAGING_PATH}],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": METRICS_PORT}},
@@ -242,7 +252,7 @@ def _trainer_pod_spec(spec: JobSpec, uri: str, extra_env: list[dict[str, Any]]) 
     _merge_env(
         trainer,
         _storage_env(spec, uri)
-        + [{"name": "CTJ_SAVE_EVERY", "value": str(spec.checkpoint.interval_steps)}]
+        + [{"name": Env.SAVE_EVERY, "value": str(spec.checkpoint.interval_steps)}]
         + extra_env,
     )
     trainer.setdefault("volumeMounts", []).append(
@@ -257,6 +267,30 @@ def _trainer_pod_spec(spec: JobSpec, uri: str, extra_env: list[dict[str, Any]]) 
     )
     pod_spec["restartPolicy"] = "Never"  # the gang restarts as a whole, at a new world size
     return pod_spec
+
+
+SCHEDULING_FIELDS = ("nodeName", "nodeSelector", "affinity", "tolerations", "resources", "overhead")
+
+
+def rank_footprint(spec: JobSpec) -> dict[str, Any]:
+    """What the scheduler weighs of one rank's pod, from the spec alone: the template's
+    placement fields and the requests of every container the pod will run, ours included
+    (the sidecar, and the cache step where the node cache is on), in the pod's order.
+    capacity.py fits it to nodes; test_operator_builders ties it to ``build_pod``."""
+    template = spec.template.get("spec") or {}
+    footprint = {k: copy.deepcopy(template[k]) for k in SCHEDULING_FIELDS if k in template}
+
+    def requests(container: dict[str, Any]) -> dict[str, Any]:
+        kept = ("resources", "restartPolicy")
+        return {k: copy.deepcopy(container[k]) for k in kept if k in container}
+
+    init = [requests(c) for c in template.get("initContainers") or []]
+    init.append(requests(_sidecar(spec, uri="")))
+    if spec.checkpoint.node_cache is not None:
+        init.insert(0, {"resources": copy.deepcopy(CACHE_STEP_RESOURCES)})
+    footprint["containers"] = [requests(c) for c in template.get("containers") or []]
+    footprint["initContainers"] = init
+    return footprint
 
 
 def _place(pod_spec: dict[str, Any], job: str, attempt: int, avoid: tuple[str, ...]) -> None:
@@ -308,13 +342,13 @@ def build_pod(
         "MASTER_PORT": str(master_port(attempt)),
         "WORLD_SIZE": str(world_size * nproc),
         "RANK": str(node_rank * nproc),
-        "NODE_RANK": str(node_rank),
+        Env.NODE_RANK: str(node_rank),
         "PET_MASTER_ADDR": master,
         "PET_MASTER_PORT": str(master_port(attempt)),
         "PET_NNODES": str(world_size),
         "PET_NPROC_PER_NODE": str(nproc),
         "PET_NODE_RANK": str(node_rank),
-        "CTJ_ATTEMPT": str(attempt),
+        Env.ATTEMPT: str(attempt),
     }
     pod_spec = _trainer_pod_spec(spec, uri, [{"name": k, "value": v} for k, v in torch_env.items()])
     peers = [f"{pod_name(job, attempt, r)}.{job}:{CACHE_PORT}" for r in range(world_size)]
@@ -456,7 +490,7 @@ def build_pytorchjob(
     job Failed (cleanPodPolicy is only honoured for a finished job), and the pods that
     tell a crash from a lost node would be gone."""
     job = body["metadata"]["name"]
-    pod_spec = _trainer_pod_spec(spec, uri, [{"name": "CTJ_ATTEMPT", "value": str(attempt)}])
+    pod_spec = _trainer_pod_spec(spec, uri, [{"name": Env.ATTEMPT, "value": str(attempt)}])
     trainer = pod_spec["containers"][0]
     trainer["name"] = "pytorch"  # the name PyTorchJob requires
     ports = [p for p in trainer.get("ports") or [] if p.get("name") != KF_PORT_NAME]
@@ -500,7 +534,7 @@ def build_pytorchjob(
     }
 
 
-def pytorchjob_failure(pytorchjob: dict[str, Any]) -> str:
+def pytorchjob_failure(pytorchjob: Mapping[str, Any]) -> str:
     """Why the Kubeflow controller failed the PyTorchJob ("" while it has not)."""
     for c in (pytorchjob.get("status") or {}).get("conditions") or []:
         if c.get("type") == "Failed" and c.get("status") == "True":

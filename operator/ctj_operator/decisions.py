@@ -687,6 +687,17 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
     )
 
 
+def invalid_spec(state: JobState, message: str, now: float) -> Plan:
+    """A spec that cannot work fails the job, once, with a condition naming the field."""
+    if state.phase == "Failed":
+        return Plan(note="failed: invalid spec")
+    failed = {
+        "phase": "Failed",
+        "conditions": conditions(state, "Failed", "InvalidSpec", message, now),
+    }
+    return Plan((PatchStatus(failed), Emit("Warning", "InvalidSpec", message)))
+
+
 def pod_rejected(obs: Observation, attempt: int, world_size: int, message: str) -> Plan:
     """The API refused a pod of the attempt just started (422, quota, admission): the
     attempt fails with the API's reason, counted and backed off like a crash, never a

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from ctj_contract import Phase
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed")
+from .decisions import Action, PatchStatus, Recovered, Restarted
+
+PHASES = tuple(Phase)
 
 
 class OperatorMetrics:
@@ -66,3 +69,20 @@ class OperatorMetrics:
             self.attempt.labels(namespace=namespace, job_name=job).set(attempt)
         if world_size:
             self.world_size.labels(namespace=namespace, job_name=job).set(world_size)
+
+    def record(self, namespace: str, job: str, action: Action) -> None:
+        """What an applied action changes in the series."""
+        match action:
+            case PatchStatus(fields=fields):
+                if fields.get("phase"):
+                    self.job_phase(namespace, job, fields["phase"])
+                if fields.get("worldSize"):
+                    self.world_size.labels(namespace=namespace, job_name=job).set(
+                        fields["worldSize"]
+                    )
+                if fields.get("attempt"):
+                    self.attempt.labels(namespace=namespace, job_name=job).set(fields["attempt"])
+            case Restarted(reason=reason, cause=cause):
+                self.restarts.labels(reason=reason, cause=cause.value).inc()
+            case Recovered(seconds=seconds):
+                self.recovery.observe(seconds)

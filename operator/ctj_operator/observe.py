@@ -1,26 +1,31 @@
-"""What the watches deliver, reduced to the plain values the decisions read.
+"""Observe: what the watches deliver, reduced to the ``Observation`` the decisions read.
 
 kopf keeps an index per watched kind (handlers.py registers them); each index entry is one
-of the small dicts made here, so the reconcile reads memory, not the API server. Heartbeat
+of the small dicts made here, so the reconcile reads memory, not the API server
+(``observe`` builds one job's view from them, where a rank of it fits included). Heartbeat
 and kubelet Leases are judged by when *this process* saw them change (``Freshness``), never
 by comparing another machine's clock with ours.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeAlias
 
+from ctj_contract import ANNOTATION_LAST_CHECKPOINT, LABEL_ATTEMPT, LABEL_RANK, LastCheckpoint
+
+from . import capacity
 from .builders import (
-    ANNOTATION_LAST_CHECKPOINT,
     KF_REPLICA_INDEX,
     KF_REPLICA_TYPE,
-    LABEL_ATTEMPT,
-    LABEL_JOB,
-    LABEL_RANK,
+    pytorchjob_failure,
+    pytorchjob_name,
+    rank_footprint,
 )
-from .decisions import NodeView, PodView
+from .decisions import JobState, NodeView, Observation, PodView
+from .spec import Backend, JobSpec
 
 
 def node_rank(labels: Mapping[str, str]) -> int:
@@ -71,10 +76,6 @@ def pod_view(s: Mapping[str, Any], phase_age: float | None = None) -> PodView:
         waiting=s["waiting"],
         phase_age=phase_age,
     )
-
-
-def job_of(labels: Mapping[str, str]) -> str | None:
-    return labels.get(LABEL_JOB)
 
 
 def node_summary(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -153,3 +154,121 @@ class Freshness:
 
     def __len__(self) -> int:
         return len(self._seen)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Marks:
+    """When this process saw each watched value change: what the indexes do not keep."""
+
+    beats: Freshness = dataclasses.field(default_factory=Freshness)
+    """(namespace, Lease) -> a rank's heartbeat renewTime."""
+    kubelets: Freshness = dataclasses.field(default_factory=Freshness)
+    """node -> its kubelet's Lease renewTime (kube-node-lease)."""
+    phases: Freshness = dataclasses.field(default_factory=Freshness)
+    """(namespace, pod) -> its phase."""
+
+
+JobKey: TypeAlias = tuple[str, str]
+"""(namespace, job name): how every index is keyed."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Indexes:
+    """kopf's in-memory indexes (handlers.py registers them), as a reconcile reads them."""
+
+    pods: Mapping[JobKey, Iterable[dict[str, Any]]]  # pod_summary of each pod of the job
+    usage: Mapping[str, Iterable[tuple[JobKey | None, Mapping[str, int]]]]
+    """node -> (the job of a pod bound there, or None; what the pod requests)."""
+    nodes: Mapping[str, Iterable[dict[str, Any]]]  # node name -> node_summary
+    leases: Mapping[JobKey, Iterable[dict[str, Any]]]  # lease_summary of each rank's Lease
+    pytorchjobs: Mapping[JobKey, Iterable[tuple[int, str]]] | None = None
+    """(attempt, why the Kubeflow controller failed it) where the PyTorchJob CRD is watched."""
+
+
+ReadPyTorchJob = Callable[[str, str], Mapping[str, Any] | None]
+"""(namespace, name) -> the PyTorchJob, or None where it is gone (one GET)."""
+
+
+def observe(
+    spec: JobSpec,
+    state: JobState,
+    *,
+    key: JobKey,
+    uri: str,
+    indexes: Indexes,
+    marks: Marks,
+    now: float,
+    read_pytorchjob: ReadPyTorchJob,
+) -> Observation:
+    """One job's view of the cluster, from memory (and one GET for a PyTorchJob only
+    where its CRD appeared after start-up)."""
+    namespace, _ = key
+    leases = list(indexes.leases.get(key, ()))
+    nodes = [n for found in indexes.nodes.values() for n in found]
+    pods = [
+        pod_view(s, marks.phases.silent_for((namespace, s["name"])))
+        for s in indexes.pods.get(key, ())
+    ]
+    nodes_seen = [node_view(n, marks.kubelets.changed_at(n["metadata"]["name"])) for n in nodes]
+    failure = ""
+    if spec.backend == Backend.PYTORCHJOB and state.attempt and state.pods_created:
+        failure = _pytorchjob_failure(key, state.attempt, indexes.pytorchjobs, read_pytorchjob)
+    footprint = rank_footprint(spec)
+    fit = capacity.fitting_nodes_with(footprint, nodes, _used_by_others(indexes, key))
+    return Observation(
+        spec=spec,
+        state=state,
+        pods=pods,
+        nodes=nodes_seen,
+        beats={
+            s["rank"]: marks.beats.silent_for((namespace, s["name"]))
+            for s in leases
+            if s["attempt"] == state.attempt
+        },
+        last_checkpoint=last_checkpoint(leases),
+        uri=uri,
+        now=now,
+        controller_failure=failure,
+        fits=fit.fits,
+        rejected=capacity.summarize_rejections(fit.rejected),
+    )
+
+
+def _used_by_others(indexes: Indexes, key: JobKey) -> dict[str, dict[str, int]]:
+    """What every other job's pods request on each node (this job's pods are what a new
+    attempt replaces)."""
+    used: dict[str, dict[str, int]] = {}
+    for node, found in indexes.usage.items():
+        on_node = used.setdefault(node, {})
+        for job, requests in found:
+            if job != key:
+                for resource, amount in requests.items():
+                    on_node[resource] = on_node.get(resource, 0) + amount
+    return used
+
+
+def last_checkpoint(leases: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The newest checkpoint rank 0's sidecar reported, over the attempts still leased."""
+    best: LastCheckpoint | None = None
+    for lease in leases:
+        if lease["rank"] != 0:
+            continue
+        found = LastCheckpoint.decode(lease["checkpoint"])
+        if found is not None and (best is None or found.step > best.step):
+            best = found
+    return None if best is None else best.as_status()
+
+
+def _pytorchjob_failure(
+    key: JobKey,
+    attempt: int,
+    index: Mapping[JobKey, Iterable[tuple[int, str]]] | None,
+    read: ReadPyTorchJob,
+) -> str:
+    """Why the Kubeflow controller failed this attempt's PyTorchJob, or "". Its pods are
+    judged like ours (they carry our labels); this is what only the controller knows."""
+    if index is not None:
+        return next((why for seen, why in index.get(key, ()) if seen == attempt), "")
+    namespace, name = key
+    job = read(namespace, pytorchjob_name(name, attempt))  # the CRD appeared after start-up
+    return "" if job is None else pytorchjob_failure(job)  # gone: its pods are seen going

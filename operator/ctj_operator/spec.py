@@ -8,15 +8,21 @@ field, so a wrong spec fails the job with a clear condition instead of a loop.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
-GROUP = "training.ctj.dev"
-VERSION = "v1alpha1"
-PLURAL = "checkpointedtrainingjobs"
+from .quantities import parse_quantity
 
 
 class SpecError(ValueError):
     """The spec cannot work; the message names the field and the fix."""
+
+
+class Backend(enum.StrEnum):
+    """Who makes a job's pods."""
+
+    PODS = "pods"  # the operator itself, with a headless Service
+    PYTORCHJOB = "pytorchjob"  # Kubeflow's v1 PyTorchJob controller (legacy)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,14 +43,20 @@ class NodeCache:
             )
 
 
+def _backend(raw: object) -> Backend:
+    try:
+        return Backend(str(raw))
+    except ValueError:
+        choices = " or ".join(b.value for b in Backend)
+        raise SpecError(f"spec.backend={raw!r}: use {choices}") from None
+
+
 def _node_cache(raw: dict[str, Any], default: NodeCache | None) -> NodeCache | None:
     """A job's node cache: the operator's, unless the job turns it off or resizes it."""
     if default is None or raw.get("enabled", True) is False:
         return None
     if "sizeLimit" not in raw:
         return default
-    from .capacity import parse_quantity  # here: capacity imports builders, which import us
-
     try:
         size = parse_quantity(str(raw["sizeLimit"]))
     except ValueError:
@@ -94,7 +106,7 @@ class JobSpec:
     min_replicas: int
     max_replicas: int
     nproc_per_node: int
-    backend: str
+    backend: Backend
     template: dict[str, Any]
     checkpoint: CheckpointSpec
     max_restarts: int = 10
@@ -114,8 +126,7 @@ class JobSpec:
         containers = (self.template.get("spec") or {}).get("containers") or []
         if not containers:
             raise SpecError("spec.template.spec.containers is empty: add the trainer container")
-        if self.backend not in ("pods", "pytorchjob"):
-            raise SpecError(f"spec.backend={self.backend!r}: use pods or pytorchjob")
+        object.__setattr__(self, "backend", _backend(self.backend))
 
     @classmethod
     def parse(
@@ -138,7 +149,7 @@ class JobSpec:
             min_replicas=int(spec.get("minReplicas", 1)),
             max_replicas=int(spec.get("maxReplicas", 64)),
             nproc_per_node=int(spec.get("nprocPerNode", 1)),
-            backend=str(spec.get("backend", "pods")),
+            backend=_backend(spec.get("backend", "pods")),
             template=dict(spec.get("template") or {}),
             checkpoint=CheckpointSpec(
                 uri=str(ck["uri"]),

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ctj_contract import GROUP, PLURAL, VERSION
 from ctj_devcluster import Binaries, BinariesMissing, Cluster, ClusterConfig
 from ctj_devcluster.kubeflow import KubeflowBuild
 from ctj_stack.stack import trainer_log_events
@@ -24,7 +25,6 @@ from tests.conftest import ROOT, retry_on_bind_conflict
 
 CRD = Path(ROOT) / "crds" / "training.ctj.dev_checkpointedtrainingjobs.yaml"
 EXAMPLE = Path(ROOT) / "examples" / "job.yaml"
-GROUP, VERSION, PLURAL = "training.ctj.dev", "v1alpha1", "checkpointedtrainingjobs"
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout: float = 120.0) -> Any:

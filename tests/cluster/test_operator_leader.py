@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 from ctj_devcluster import Cluster
-from ctj_operator import handlers
+from ctj_operator.apply import Api, apply
 from ctj_operator.decisions import CreateAttempt, PatchStatus, Plan
+from ctj_operator.render import Target, render_plan
 from ctj_operator.spec import JobSpec
 from kubernetes import client
 
@@ -81,13 +82,14 @@ def test_a_plan_from_a_stale_view_acts_on_nothing(
     custom(op_cluster).patch_namespaced_custom_object_status(
         GROUP, VERSION, ns, PLURAL, name, {"status": {"phase": "Running", "attempt": 7}}
     )
-    handlers.Cluster.connect(op_cluster.api_client())
     spec = JobSpec.parse(stale["spec"])
     plan = Plan(
         (PatchStatus({"phase": "Running", "attempt": 1, "worldSize": 1}), CreateAttempt(1, 1))
     )
-    with pytest.raises(handlers.StaleView):
-        handlers._apply(stale, spec, plan, uri=f"{s3_uri}/x")
+    rendered = render_plan(plan, Target(body=stale, spec=spec, uri=f"{s3_uri}/x"))
+    api = Api.connect(op_cluster.api_client())
+    outcome = apply(rendered, api, resource_version=stale["metadata"]["resourceVersion"])
+    assert outcome.stale
     assert not job_pods(op_cluster, ns, name), "a stale plan created pods"
     now = get_job(op_cluster, ns, name)["status"]
     assert now["attempt"] == 7, "a stale plan overwrote newer status"

@@ -7,20 +7,19 @@ from fractions import Fraction
 from typing import Any
 
 import pytest
+from ctj_contract import LABEL_JOB
 from ctj_operator import builders
 from ctj_operator.capacity import (
     Capacity,
-    base_units,
     fitting_nodes,
-    format_amount,
     matches_node_selector,
     node_fit,
-    parse_quantity,
     pod_requests,
     tolerates,
     toleration_matches,
     used_by_pods,
 )
+from ctj_operator.quantities import base_units, format_amount, parse_quantity
 from ctj_operator.spec import JobSpec
 
 Ki, Mi, Gi, Ti, Pi, Ei = (2**e for e in (10, 20, 30, 40, 50, 60))
@@ -104,7 +103,7 @@ def pod(
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": f"p-{node_name}", "namespace": namespace, "labels": {}}
     if job is not None:
-        meta["labels"][builders.LABEL_JOB] = job
+        meta["labels"][LABEL_JOB] = job
     if deleting:
         meta["deletionTimestamp"] = "2024-01-01T00:00:00Z"
     return {

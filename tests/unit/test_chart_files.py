@@ -7,10 +7,12 @@ pins. tests/cluster/test_chart.py renders and installs the chart with a real hel
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -254,6 +256,26 @@ def test_dockerfile_targets_and_pins() -> None:
     operator_stage = text.split("AS operator\n", 1)[1].split("\nFROM ", 1)[0]
     assert 'ENTRYPOINT ["python", "-m", "ctj_operator"]' in operator_stage
     assert re.search(r"^USER 65532", operator_stage, re.M)
+
+
+def test_the_operator_image_holds_everything_the_operator_imports() -> None:
+    """The operator and the contract import only the standard library, each other and
+    OPERATOR_PACKAGES: the image has nothing else (no torch, no engine)."""
+    text = (ROOT / "Dockerfile").read_text()
+    packages = {p.replace("-", "_") for p in _dockerfile_arg(text, "OPERATOR_PACKAGES")}
+    stage = text.split("AS operator\n", 1)[1].split("\nFROM ", 1)[0]
+    copied = set(re.findall(r"^COPY \S+ /app/(\w+)/$", stage, re.M))
+    assert copied == {"ctj_contract", "ctj_operator"}
+    imported: set[str] = set()
+    for folder in ("operator/ctj_operator", "contract/ctj_contract"):
+        for path in (ROOT / folder).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    imported |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                    imported.add(node.module.split(".")[0])
+    outside = imported - set(sys.stdlib_module_names) - packages - copied
+    assert not outside, f"the operator imports {sorted(outside)}, which its image lacks"
 
 
 def test_dockerignore_lets_in_what_the_dockerfile_copies() -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from ctj_contract import LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK, LABEL_WORLD
 from ctj_operator import builders
+from ctj_operator.capacity import pod_requests
 from ctj_operator.spec import JobSpec, NodeCache, SpecError
 
 BODY = {"metadata": {"name": "demo", "namespace": "ml", "uid": "u-1"}}
@@ -105,16 +107,16 @@ def test_pod_identity_labels_dns_and_one_rank_per_node() -> None:
     assert meta["name"] == "demo-a2-1"
     assert meta["labels"] == {
         "team": "ml",
-        builders.LABEL_JOB: "demo",
-        builders.LABEL_ATTEMPT: "2",
-        builders.LABEL_RANK: "1",
-        builders.LABEL_WORLD: "3",
+        LABEL_JOB: "demo",
+        LABEL_ATTEMPT: "2",
+        LABEL_RANK: "1",
+        LABEL_WORLD: "3",
     }
     assert (spec["hostname"], spec["subdomain"]) == ("demo-a2-1", "demo")
     (term,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["labelSelector"]["matchLabels"] == {
-        builders.LABEL_JOB: "demo",
-        builders.LABEL_ATTEMPT: "2",
+        LABEL_JOB: "demo",
+        LABEL_ATTEMPT: "2",
     }
     (owner,) = meta["ownerReferences"]
     assert owner["uid"] == "u-1" and owner["controller"] is True
@@ -123,7 +125,7 @@ def test_pod_identity_labels_dns_and_one_rank_per_node() -> None:
 def test_service_is_headless_and_owned() -> None:
     svc = builders.build_service(BODY)
     assert svc["spec"]["clusterIP"] == "None"
-    assert svc["spec"]["selector"] == {builders.LABEL_JOB: "demo"}
+    assert svc["spec"]["selector"] == {LABEL_JOB: "demo"}
     assert svc["metadata"]["ownerReferences"][0]["kind"] == "CheckpointedTrainingJob"
 
 
@@ -164,13 +166,13 @@ def test_pytorchjob_rendezvous_port_placement_and_restart_rules() -> None:
         affinity = pod_spec["affinity"]
         anti = affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert anti[0]["labelSelector"]["matchLabels"] == {
-            builders.LABEL_JOB: "demo",
-            builders.LABEL_ATTEMPT: "2",
+            LABEL_JOB: "demo",
+            LABEL_ATTEMPT: "2",
         }
         terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert terms["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["n2"]
         labels = replica["template"]["metadata"]["labels"]
-        assert labels["team"] == "ml" and labels[builders.LABEL_ATTEMPT] == "2"
+        assert labels["team"] == "ml" and labels[LABEL_ATTEMPT] == "2"
 
 
 def test_a_failed_pytorchjob_says_why() -> None:
@@ -210,7 +212,7 @@ def test_pytorchjob_leases_are_named_like_the_pods_the_kubeflow_controller_makes
     leases = builders.build_leases(BODY, spec, attempt=2, world_size=3)
     names = ["demo-a2-master-0", "demo-a2-worker-0", "demo-a2-worker-1"]
     assert [lease["metadata"]["name"] for lease in leases] == names
-    assert [lease["metadata"]["labels"][builders.LABEL_RANK] for lease in leases] == ["0", "1", "2"]
+    assert [lease["metadata"]["labels"][LABEL_RANK] for lease in leases] == ["0", "1", "2"]
     role = builders.build_heartbeat_role(BODY, spec, attempt=2, world_size=3)
     assert role["rules"][0]["resourceNames"] == names
     job = builders.build_pytorchjob(BODY, spec, uri=URI, attempt=2, world_size=3)
@@ -336,3 +338,45 @@ def test_the_cache_secret_is_owned_by_the_job() -> None:
     assert secret["metadata"]["name"] == "demo-ctj-cache"
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert secret["stringData"] == {"token": "t" * 64}
+
+
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize(
+    "template_spec",
+    [
+        {"containers": [{"name": "t", "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}}]},
+        {
+            "containers": [
+                {"name": "t", "resources": {"limits": {"nvidia.com/gpu": "8", "cpu": "8"}}},
+                {"name": "u", "resources": {"requests": {"cpu": "500m"}}},
+            ],
+            "initContainers": [
+                {"name": "fetch", "resources": {"requests": {"memory": "64Gi"}}},
+                {"name": "proxy", "restartPolicy": "Always", "resources": {"requests": {"cpu": 1}}},
+            ],
+            "nodeSelector": {"pool": "gpu"},
+            "tolerations": [{"key": "gpu", "operator": "Exists"}],
+            "overhead": {"cpu": "100m"},
+        },
+        {"containers": [{"name": "t"}], "resources": {"requests": {"cpu": "3", "memory": "1Gi"}}},
+    ],
+)
+def test_a_rank_s_footprint_is_what_its_pod_will_request_and_where_it_may_run(
+    template_spec: dict[str, Any], cached: bool
+) -> None:
+    """Capacity is computed from the spec (rank_footprint), never from a built pod: the
+    two must agree on every request (the sidecar's and the cache step's included) and on
+    every field the scheduler filters by."""
+    sidecar = {"requests": {"cpu": "250m", "memory": "512Mi"}}
+    raw = {
+        "replicas": 2,
+        "checkpoint": {"uri": "s3://b/p", "sidecarResources": sidecar},
+        "template": {"spec": template_spec},
+    }
+    spec = JobSpec.parse(raw, node_cache=CACHE if cached else None)
+    pod = builders.build_pod(BODY, spec, uri=URI, attempt=1, world_size=2, node_rank=0)
+    footprint = builders.rank_footprint(spec)
+    assert pod_requests(footprint) == pod_requests(pod["spec"])
+    assert pod_requests(footprint)["cpu"] >= 250, "the sidecar's requests count"
+    for field in ("nodeSelector", "tolerations", "overhead", "resources"):
+        assert footprint.get(field) == template_spec.get(field)

@@ -69,7 +69,6 @@ _SUFFIX = {
 }
 
 
-MODES = tuple(m.value for m in Mode)
 _ATTEMPT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _NONCE = re.compile(r"[0-9a-f]{16}")
 

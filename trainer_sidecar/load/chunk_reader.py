@@ -23,7 +23,7 @@ from ..format import codecs
 from ..format.chunking import blocks_for_range, blocks_match
 from ..format.manifest import ChunkRef, FileEntry, Manifest
 from ..store.base import ObjectStore
-from .tiers import STORE, ChunkTiers
+from .tiers import ChunkTiers, Tier
 
 
 @dataclasses.dataclass
@@ -114,13 +114,13 @@ class ChunkReader:
             if not codecs.is_ranged(chunk.codec):  # compressed: read whole, decoded bounded
                 a, b = 0, chunk.size
                 raw = self.store.get(chunk.key)
-                self._count(len(raw), STORE)
+                self._count(len(raw), Tier.STORE)
                 data = codecs.decode(raw, chunk.codec, size=chunk.size)
             else:
                 a, b = blocks_for_range(start, end, chunk.size, bs) if chunk.size else (0, 0)
                 whole = a == 0 and b == chunk.size
                 data = self.store.get(chunk.key, byte_range=None if whole else (a, b))
-                self._count(len(data), STORE)
+                self._count(len(data), Tier.STORE)
         except ObjectNotFound:
             raise CorruptCheckpointError(self.manifest.step, chunk.id, "is missing") from None
         except codecs.CodecError as exc:

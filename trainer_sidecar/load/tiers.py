@@ -13,6 +13,7 @@ older checkpoint. Every byte is counted by the tier it came from
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from collections.abc import Iterable, Iterator
 
@@ -22,8 +23,15 @@ from ..store.peers import PeerCaches
 
 log = logging.getLogger("ctj.checkpoint")
 
-LOCAL, PEER, STORE = "local", "peer", "s3"
-TIERS = (LOCAL, PEER, STORE)
+
+
+class Tier(enum.StrEnum):
+    """Where a chunk's bytes came from (the ``tier`` label of the restore metrics)."""
+
+    LOCAL = "local"
+    PEER = "peer"
+    STORE = "s3"
+
 
 
 @dataclasses.dataclass
@@ -38,25 +46,25 @@ class ChunkTiers:
         missing = [c.id for c in chunks if self.cache is None or self.cache.size_of(c.id) is None]
         self.peers.locate(missing)
 
-    def candidates(self, chunk: ChunkRef, start: int, end: int) -> Iterator[tuple[str, bytes]]:
+    def candidates(self, chunk: ChunkRef, start: int, end: int) -> Iterator[tuple[Tier, bytes]]:
         """(tier, raw bytes [start, end)) from each tier that has them, nearest first."""
         if self.cache is not None:
             data = self.cache.read(chunk.id, start, end)
             if data is not None:
-                yield LOCAL, data
+                yield Tier.LOCAL, data
         if self.peers is not None:
             data = self.peers.read(chunk.id, start, end)
             if data is not None:
-                yield PEER, data
+                yield Tier.PEER, data
 
-    def reject(self, tier: str, chunk: ChunkRef) -> None:
+    def reject(self, tier: Tier, chunk: ChunkRef) -> None:
         log.warning(
             "chunk %s from the %s cache fails its hash check: dropped it, reading it elsewhere",
-            chunk.id[:16], "node's" if tier == LOCAL else "peers'",
+            chunk.id[:16], "node's" if tier == Tier.LOCAL else "peers'",
         )  # fmt: skip
-        if tier == LOCAL and self.cache is not None:
+        if tier == Tier.LOCAL and self.cache is not None:
             self.cache.discard(chunk.id)
-        elif tier == PEER and self.peers is not None:
+        elif tier == Tier.PEER and self.peers is not None:
             self.peers.reject(chunk.id)
 
     def keep(self, chunk: ChunkRef, raw: bytes) -> None:

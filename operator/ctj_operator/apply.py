@@ -1,0 +1,270 @@
+"""Apply: send a rendered plan's calls in order. The operator's only writes are here.
+
+Every verb is idempotent (an object already there, or already gone, is success), so an
+operator killed between two calls converges when it runs the next plan. The job's status
+writes are conditional on the resourceVersion the plan was made from: on a 409 nothing
+after it is sent (``Outcome.stale``) (the plan's first action is a status write
+whenever it creates or deletes; decisions.py). The API's refusal of an attempt's objects
+(a 4xx: admission, quota, an invalid pod) is returned, not raised: the reconcile decides
+what it costs the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import kopf
+from ctj_contract import GROUP, PLURAL, VERSION
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from .decisions import Action, CreateAttempt
+from .render import Call, Kind, Rendered, Verb
+
+log = logging.getLogger("ctj.operator")
+
+
+class _StaleView(Exception):
+    """A status write was refused (409): the plan was made from an outdated job."""
+
+
+class _Objects(Protocol):
+    """One kind's namespaced objects, as the calls need them."""
+
+    def create(self, namespace: str, body: Mapping[str, Any]) -> Any: ...
+    def read(self, namespace: str, name: str) -> Any: ...
+    def patch(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any: ...
+    def delete(self, namespace: str, name: str, grace_seconds: int | None) -> Any: ...
+    def delete_collection(self, namespace: str, selector: str) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Typed:
+    """A built-in kind: the client's ``<verb>_namespaced_<suffix>`` methods."""
+
+    api: Any
+    suffix: str
+
+    def _method(self, verb: str) -> Callable[..., Any]:
+        return getattr(self.api, f"{verb}_namespaced_{self.suffix}")
+
+    def create(self, namespace: str, body: Mapping[str, Any]) -> Any:
+        return self._method("create")(namespace, body)
+
+    def read(self, namespace: str, name: str) -> Any:
+        return self._method("read")(name, namespace)
+
+    def patch(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any:
+        return self._method("patch")(name, namespace, body)
+
+    def delete(self, namespace: str, name: str, grace_seconds: int | None) -> Any:
+        extra = {} if grace_seconds is None else {"grace_period_seconds": grace_seconds}
+        return self._method("delete")(name, namespace, **extra)
+
+    def delete_collection(self, namespace: str, selector: str) -> Any:
+        return getattr(self.api, f"delete_collection_namespaced_{self.suffix}")(
+            namespace, label_selector=selector
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Custom:
+    """A custom resource: CustomObjectsApi with its group, version and plural."""
+
+    api: client.CustomObjectsApi
+    group: str
+    version: str
+    plural: str
+
+    def create(self, namespace: str, body: Mapping[str, Any]) -> Any:
+        return self.api.create_namespaced_custom_object(
+            self.group, self.version, namespace, self.plural, body
+        )
+
+    def read(self, namespace: str, name: str) -> Any:
+        return self.api.get_namespaced_custom_object(
+            self.group, self.version, namespace, self.plural, name
+        )
+
+    def patch(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any:
+        return self.api.patch_namespaced_custom_object(
+            self.group, self.version, namespace, self.plural, name, body
+        )
+
+    def patch_status(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any:
+        return self.api.patch_namespaced_custom_object_status(
+            self.group, self.version, namespace, self.plural, name, body
+        )
+
+    def delete(self, namespace: str, name: str, grace_seconds: int | None) -> Any:
+        return self.api.delete_namespaced_custom_object(
+            self.group, self.version, namespace, self.plural, name
+        )
+
+    def delete_collection(self, namespace: str, selector: str) -> Any:
+        return self.api.delete_collection_namespaced_custom_object(
+            self.group, self.version, namespace, self.plural, label_selector=selector
+        )
+
+
+class _JobStatus(Protocol):
+    def patch_status(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Api:
+    """Each kind's objects, through the API clients made once at start-up (``connect``)."""
+
+    kinds: Mapping[Kind, _Objects]
+    jobs: _JobStatus  # the CheckpointedTrainingJobs' status subresource
+
+    @classmethod
+    def connect(cls, api_client: client.ApiClient) -> Api:
+        core = client.CoreV1Api(api_client)
+        custom = client.CustomObjectsApi(api_client)
+        rbac = client.RbacAuthorizationV1Api(api_client)
+        jobs = _Custom(custom, GROUP, VERSION, PLURAL)
+        kinds: dict[Kind, _Objects] = {
+            Kind.POD: _Typed(core, "pod"),
+            Kind.SERVICE: _Typed(core, "service"),
+            Kind.SECRET: _Typed(core, "secret"),
+            Kind.LEASE: _Typed(client.CoordinationV1Api(api_client), "lease"),
+            Kind.ROLE: _Typed(rbac, "role"),
+            Kind.ROLE_BINDING: _Typed(rbac, "role_binding"),
+            Kind.PYTORCHJOB: _Custom(custom, "kubeflow.org", "v1", "pytorchjobs"),
+            Kind.JOB: jobs,
+        }
+        return cls(kinds, jobs)
+
+    def read_pytorchjob(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The PyTorchJob, or None where it does not exist (observe.ReadPyTorchJob)."""
+        try:
+            return dict(self.kinds[Kind.PYTORCHJOB].read(namespace, name))
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outcome:
+    """How far a plan went: every call sent, or up to the one that ended it."""
+
+    resource_version: str
+    """The job's, after the last status write sent (the one read if none was)."""
+    stale: bool = False
+    """A status write found the job changed since it was read: the rest was not sent."""
+    refused: str = ""
+    """The API's message where it refused an attempt's objects (4xx)."""
+    namespace_terminating: bool = False
+
+
+def apply(
+    rendered: Rendered,
+    api: Api,
+    *,
+    resource_version: str,
+    on_applied: Callable[[Action], None] = lambda action: None,
+) -> Outcome:
+    """Send each action's calls in order; ``on_applied`` hears of each action once all
+    its calls are sent. An error that is not the objects' fault is raised: kopf runs the
+    reconcile again at its next tick."""
+    rv = resource_version
+    for action, calls in rendered:
+        for call in calls:
+            try:
+                rv = _send(call, api, rv)
+            except _StaleView:
+                return Outcome(rv, stale=True)
+            except ApiException as exc:
+                if not isinstance(action, CreateAttempt) or _retryable(exc):
+                    raise
+                if _namespace_terminating(exc):  # the job goes with its namespace
+                    return Outcome(rv, namespace_terminating=True)
+                return Outcome(rv, refused=_api_message(exc))
+        on_applied(action)
+    return Outcome(rv)
+
+
+def _send(call: Call, api: Api, rv: str) -> str:
+    """One call, by its verb's rule; returns the job's resourceVersion after it."""
+    objects = api.kinds[call.kind]
+    ns, name = call.namespace, call.name
+    if call.verb == Verb.PATCH_STATUS:
+        patch = {**call.body, "metadata": {"resourceVersion": rv}}
+        try:
+            result = api.jobs.patch_status(ns, name, patch)
+        except ApiException as exc:
+            if exc.status == 409:
+                raise _StaleView from exc
+            raise
+        return str(result["metadata"]["resourceVersion"])
+    if call.verb == Verb.EVENT:
+        event = call.body
+        kopf.event(
+            event["object"], type=event["type"], reason=event["reason"], message=event["message"]
+        )
+    elif call.verb in (Verb.CREATE, Verb.CREATE_OR_PATCH):
+        _create(objects, call)
+    elif call.verb == Verb.PATCH:
+        _missing_ok(lambda: objects.patch(ns, name, call.body))
+    elif call.verb == Verb.DELETE:
+        _missing_ok(lambda: objects.delete(ns, name, call.grace_seconds))
+    elif call.verb == Verb.DELETE_COLLECTION:
+        objects.delete_collection(ns, call.selector)
+    return rv
+
+
+def _create(objects: _Objects, call: Call) -> None:
+    """Create; already there (409: a retry after a restart) is success, or, for
+    CREATE_OR_PATCH, is patched to the body. Admission such as a ResourceQuota runs before
+    the API server finds the name taken, so re-creating an object that exists can be a
+    403 'exceeded quota' rather than a 409: a refusal is settled by reading it."""
+    name = call.body["metadata"]["name"]
+    try:
+        objects.create(call.namespace, call.body)
+    except ApiException as exc:
+        if exc.status == 409:
+            if call.verb == Verb.CREATE_OR_PATCH:
+                objects.patch(call.namespace, name, call.body)
+            return
+        if exc.status in (400, 403, 422):
+            try:
+                objects.read(call.namespace, name)
+                return
+            except ApiException as read:
+                if read.status != 404:
+                    raise exc from read
+        raise
+
+
+def _missing_ok(send: Callable[[], Any]) -> None:
+    try:
+        send()
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+def _retryable(exc: ApiException) -> bool:
+    """Not the objects' fault: a conflict, throttling, a server error, no answer."""
+    return exc.status in (409, 429) or exc.status is None or exc.status >= 500
+
+
+def _namespace_terminating(exc: ApiException) -> bool:
+    try:
+        causes = (json.loads(exc.body or "{}").get("details") or {}).get("causes") or []
+    except ValueError:
+        return False
+    return any(c.get("reason") == "NamespaceTerminating" for c in causes)
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body or "{}").get("message") or exc.reason)
+    except ValueError:
+        return str(exc.reason)

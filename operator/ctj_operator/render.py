@@ -1,0 +1,230 @@
+"""Render: each action of a ``Plan`` as the exact API requests that carry it out.
+
+Pure, like ``decide`` and the builders it calls: a ``Call`` names the verb, the kind, the
+object and the body to send; apply.py sends them in order and knows each verb's
+idempotence rule (an object already there, or already gone, is success). Metrics-only
+actions (Restarted, Recovered) render to no call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from ctj_contract import GROUP, KIND, LABEL_ATTEMPT, LABEL_JOB, VERSION, checkpoint_request_patch
+
+from . import builders
+from .decisions import (
+    Action,
+    CreateAttempt,
+    DeleteAttempt,
+    DeletePods,
+    Emit,
+    PatchStatus,
+    Plan,
+    Recovered,
+    RequestCheckpoint,
+    Restarted,
+)
+from .spec import Backend, JobSpec
+
+POD_GRACE_SECONDS = 30
+
+
+class Verb(enum.StrEnum):
+    CREATE = "create"  # already there (409) is success
+    CREATE_OR_PATCH = "create-or-patch"  # already there: merge-patched to this body
+    PATCH = "patch"  # a merge patch; an object already gone (404) is skipped
+    PATCH_STATUS = "patch-status"  # the job's .status, conditional on the version read
+    DELETE = "delete"  # already gone (404) is success
+    DELETE_COLLECTION = "delete-collection"  # by label selector
+    EVENT = "event"  # a Kubernetes Event about the job
+
+
+class Kind(enum.StrEnum):
+    POD = "Pod"
+    SERVICE = "Service"
+    SECRET = "Secret"
+    LEASE = "Lease"
+    ROLE = "Role"
+    ROLE_BINDING = "RoleBinding"
+    PYTORCHJOB = "PyTorchJob"
+    JOB = KIND
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Call:
+    """One request to the API server."""
+
+    verb: Verb
+    kind: Kind
+    namespace: str
+    name: str = ""
+    body: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    selector: str = ""  # DELETE_COLLECTION's label selector
+    grace_seconds: int | None = None  # DELETE of a pod
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Target:
+    """The job a plan is rendered for."""
+
+    body: Mapping[str, Any]
+    """The job as read: its name, namespace and uid (owner references, Events)."""
+    spec: JobSpec | None
+    """None where the spec is invalid: only status writes and Events render then."""
+    uri: str = ""
+    cache_token: str = dataclasses.field(default="", repr=False)
+    """A fresh secret for the job's peer caches, should its Secret be made."""
+
+    @property
+    def namespace(self) -> str:
+        return str(self.body["metadata"]["namespace"])
+
+    @property
+    def name(self) -> str:
+        return str(self.body["metadata"]["name"])
+
+    def job_spec(self) -> JobSpec:
+        if self.spec is None:
+            raise ValueError(f"{self.namespace}/{self.name}: no valid spec to render with")
+        return self.spec
+
+
+Rendered = tuple[tuple[Action, tuple[Call, ...]], ...]
+"""Each action of a plan with its calls, in the plan's order."""
+
+
+def render_plan(plan: Plan, target: Target) -> Rendered:
+    return tuple((action, render(action, target)) for action in plan.actions)
+
+
+@functools.singledispatch
+def render(action: Action, target: Target) -> tuple[Call, ...]:
+    raise TypeError(f"no rendering for {type(action).__name__}")
+
+
+@render.register
+def _(action: PatchStatus, target: Target) -> tuple[Call, ...]:
+    body = {"status": dict(action.fields)}
+    return (
+        Call(
+            verb=Verb.PATCH_STATUS,
+            kind=Kind.JOB,
+            namespace=target.namespace,
+            name=target.name,
+            body=body,
+        ),
+    )
+
+
+@render.register
+def _(action: CreateAttempt, target: Target) -> tuple[Call, ...]:
+    """Heartbeats first (a rank's sidecar renews a Lease that exists, under a Role naming
+    it), then the cache Secret (made once per job, kept across attempts), then the
+    PyTorchJob, or the Service and the pods."""
+    spec, body, ns = target.job_spec(), dict(target.body), target.namespace
+    attempt, world_size, uri, avoid = action.attempt, action.world_size, target.uri, action.avoid
+
+    def create(kind: Kind, obj: Mapping[str, Any], verb: Verb = Verb.CREATE) -> Call:
+        return Call(verb=verb, kind=kind, namespace=ns, body=obj)
+
+    role = builders.build_heartbeat_role(body, spec, attempt=attempt, world_size=world_size)
+    calls = [
+        create(Kind.ROLE, role, Verb.CREATE_OR_PATCH),
+        create(Kind.ROLE_BINDING, builders.build_heartbeat_binding(body, spec)),
+        *(
+            create(Kind.LEASE, lease)
+            for lease in builders.build_leases(body, spec, attempt=attempt, world_size=world_size)
+        ),
+    ]
+    if spec.checkpoint.node_cache is not None:
+        calls.append(create(Kind.SECRET, builders.build_cache_secret(body, target.cache_token)))
+    if spec.backend == Backend.PYTORCHJOB:
+        job = builders.build_pytorchjob(
+            body, spec, uri=uri, attempt=attempt, world_size=world_size, avoid=avoid
+        )
+        return (*calls, create(Kind.PYTORCHJOB, job))
+    calls.append(create(Kind.SERVICE, builders.build_service(body)))
+    for rank in range(world_size):
+        pod = builders.build_pod(
+            body, spec, uri=uri, attempt=attempt, world_size=world_size, node_rank=rank, avoid=avoid
+        )
+        calls.append(create(Kind.POD, pod))
+    return tuple(calls)
+
+
+@render.register
+def _(action: DeletePods, target: Target) -> tuple[Call, ...]:
+    grace = 0 if action.force else POD_GRACE_SECONDS
+    return tuple(
+        Call(
+            verb=Verb.DELETE,
+            kind=Kind.POD,
+            namespace=target.namespace,
+            name=pod,
+            grace_seconds=grace,
+        )
+        for pod in action.names
+    )
+
+
+@render.register
+def _(action: DeleteAttempt, target: Target) -> tuple[Call, ...]:
+    """The ended attempt's PyTorchJob (its pods go with it) and heartbeat Leases."""
+    ns, job = target.namespace, target.name
+    calls = []
+    if target.spec is not None and target.spec.backend == Backend.PYTORCHJOB:
+        name = builders.pytorchjob_name(job, action.attempt)
+        calls.append(Call(verb=Verb.DELETE, kind=Kind.PYTORCHJOB, namespace=ns, name=name))
+    selector = f"{LABEL_JOB}={job},{LABEL_ATTEMPT}={action.attempt}"
+    calls.append(
+        Call(verb=Verb.DELETE_COLLECTION, kind=Kind.LEASE, namespace=ns, selector=selector)
+    )
+    return tuple(calls)
+
+
+@render.register
+def _(action: RequestCheckpoint, target: Target) -> tuple[Call, ...]:
+    """Annotate every rank's Lease: its sidecar sees it on the next beat and tells the
+    trainer (docs/operator.md, "Planned transitions")."""
+    spec, patch = target.job_spec(), checkpoint_request_patch(action.request_id)
+    return tuple(
+        Call(
+            verb=Verb.PATCH,
+            kind=Kind.LEASE,
+            namespace=target.namespace,
+            body=patch,
+            name=builders.rank_pod_name(spec, target.name, action.attempt, rank),
+        )
+        for rank in range(action.world_size)
+    )
+
+
+@render.register
+def _(action: Emit, target: Target) -> tuple[Call, ...]:
+    meta = target.body["metadata"]
+    about = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid")},
+    }
+    event = {
+        "object": about,
+        "type": action.type,
+        "reason": action.reason,
+        "message": action.message,
+    }
+    return (
+        Call(
+            verb=Verb.EVENT, kind=Kind.JOB, namespace=target.namespace, name=target.name, body=event
+        ),
+    )
+
+
+@render.register
+def _(action: Restarted | Recovered, target: Target) -> tuple[Call, ...]:
+    return ()  # metrics only (metrics.OperatorMetrics.record)

@@ -1,0 +1,220 @@
+"""A plan's actions as API calls (render.py, pure), and the rules apply.py sends them by:
+what is already there or already gone is success, a stale status write stops the plan, a
+refused attempt is reported. The API server here is a fake that records calls; the real
+one answers the same calls in tests/cluster (test_operator_*)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, cast
+
+import pytest
+from ctj_contract import ANNOTATION_CHECKPOINT_REQUEST, LABEL_ATTEMPT, LABEL_JOB
+from ctj_operator.apply import Api, apply
+from ctj_operator.decisions import (
+    Cause,
+    CreateAttempt,
+    DeleteAttempt,
+    DeletePods,
+    Emit,
+    PatchStatus,
+    Plan,
+    Recovered,
+    RequestCheckpoint,
+    Restarted,
+)
+from ctj_operator.render import Call, Kind, Target, Verb, render, render_plan
+from ctj_operator.spec import JobSpec, NodeCache
+from kubernetes.client.exceptions import ApiException
+
+BODY = {"metadata": {"name": "demo", "namespace": "ml", "uid": "u-1", "resourceVersion": "5"}}
+TOKEN = "f" * 64
+
+
+def target(backend: str = "pods", cache: bool = True) -> Target:
+    spec = JobSpec.parse(
+        {
+            "replicas": 2,
+            "backend": backend,
+            "checkpoint": {"uri": "s3://b/jobs"},
+            "template": {"spec": {"containers": [{"name": "t", "image": "t:1"}]}},
+        },
+        node_cache=NodeCache("/var/lib/ctj", 1 << 30) if cache else None,
+    )
+    return Target(body=BODY, spec=spec, uri="s3://b/jobs/ml/demo-u-1", cache_token=TOKEN)
+
+
+def shape(calls: tuple[Call, ...]) -> list[tuple[str, str, str]]:
+    return [(c.verb.value, c.kind.value, c.name or c.body["metadata"]["name"]) for c in calls]
+
+
+def test_an_attempt_is_its_heartbeats_then_its_secret_service_and_pods() -> None:
+    calls = render(CreateAttempt(3, 2, avoid=("n9",)), target())
+    assert shape(calls) == [
+        ("create-or-patch", "Role", "demo-ctj-heartbeat"),
+        ("create", "RoleBinding", "demo-ctj-heartbeat"),
+        ("create", "Lease", "demo-a3-0"),
+        ("create", "Lease", "demo-a3-1"),
+        ("create", "Secret", "demo-ctj-cache"),
+        ("create", "Service", "demo"),
+        ("create", "Pod", "demo-a3-0"),
+        ("create", "Pod", "demo-a3-1"),
+    ]
+    assert calls[4].body["stringData"] == {"token": TOKEN}
+    pod = calls[-1].body
+    assert pod["metadata"]["labels"][LABEL_ATTEMPT] == "3"
+    assert "n9" in json.dumps(pod["spec"]["affinity"]["nodeAffinity"])
+    assert {c.namespace for c in calls} == {"ml"}
+
+
+def test_a_pytorchjob_attempt_is_one_pytorchjob_and_no_pods() -> None:
+    calls = render(CreateAttempt(2, 3), target("pytorchjob", cache=False))
+    assert shape(calls)[-1] == ("create", "PyTorchJob", "demo-a2")
+    assert not {Kind.POD, Kind.SERVICE, Kind.SECRET} & {c.kind for c in calls}
+
+
+def test_ending_an_attempt_deletes_its_leases_and_pytorchjob_by_name() -> None:
+    selector = f"{LABEL_JOB}=demo,{LABEL_ATTEMPT}=2"
+    (leases,) = render(DeleteAttempt(2), target())
+    assert (leases.verb, leases.kind, leases.selector) == (
+        Verb.DELETE_COLLECTION,
+        Kind.LEASE,
+        selector,
+    )
+    job, leases = render(DeleteAttempt(2), target("pytorchjob"))
+    assert (job.verb, job.kind, job.name) == (Verb.DELETE, Kind.PYTORCHJOB, "demo-a2")
+    graceful, forced = (render(DeletePods(("p",), force=f), target())[0] for f in (False, True))
+    assert (graceful.grace_seconds, forced.grace_seconds) == (30, 0)
+
+
+def test_a_checkpoint_request_annotates_every_rank_s_lease() -> None:
+    for backend, names in (
+        ("pods", ["demo-a4-0", "demo-a4-1"]),
+        ("pytorchjob", ["demo-a4-master-0", "demo-a4-worker-0"]),
+    ):
+        calls = render(RequestCheckpoint(4, 2, "resize-9"), target(backend))
+        assert [c.name for c in calls] == names
+        assert {json.dumps(c.body) for c in calls} == {
+            json.dumps({"metadata": {"annotations": {ANNOTATION_CHECKPOINT_REQUEST: "resize-9"}}})
+        }
+
+
+def test_status_events_and_metrics_only_actions() -> None:
+    invalid = Target(body=BODY, spec=None)  # an invalid spec renders only status and Events
+    (status,) = render(PatchStatus({"phase": "Failed"}), invalid)
+    assert (status.verb, status.body) == (Verb.PATCH_STATUS, {"status": {"phase": "Failed"}})
+    (event,) = render(Emit("Warning", "InvalidSpec", "spec.replicas ..."), invalid)
+    assert event.body["object"]["metadata"] == {"name": "demo", "namespace": "ml", "uid": "u-1"}
+    assert render(Restarted("PodFailed", Cause.CRASH), invalid) == ()
+    assert render(Recovered(3.0), invalid) == ()
+    with pytest.raises(ValueError, match="no valid spec"):
+        render(CreateAttempt(1, 1), invalid)
+
+
+# ---- apply, against a fake API server ----
+
+
+def api_error(status: int, message: str = "", reason: str = "") -> ApiException:
+    exc = ApiException(status=status, reason=reason or str(status))
+    details = {"causes": [{"reason": reason}]} if reason else {}
+    exc.body = json.dumps({"message": message, "details": details})
+    return exc
+
+
+class FakeObjects:
+    """One kind's objects; ``fail`` maps a verb to the error it raises (once)."""
+
+    def __init__(self, log: list[tuple[str, ...]], kind: str, **fail: ApiException) -> None:
+        self.log, self.kind, self.fail, self.existing = log, kind, dict(fail), set[str]()
+
+    def _do(self, verb: str, name: str) -> None:
+        self.log.append((verb, self.kind, name))
+        if verb in self.fail:
+            raise self.fail.pop(verb)
+
+    def create(self, namespace: str, body: Mapping[str, Any]) -> Any:
+        self._do("create", body["metadata"]["name"])
+
+    def read(self, namespace: str, name: str) -> Any:
+        self._do("read", name)
+        if name not in self.existing:
+            raise api_error(404)
+
+    def patch(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any:
+        self._do("patch", name)
+
+    def patch_status(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any:
+        self._do("patch_status", name)
+        rv = int(body["metadata"]["resourceVersion"])
+        return {"metadata": {"resourceVersion": str(rv + 1)}}
+
+    def delete(self, namespace: str, name: str, grace_seconds: int | None) -> Any:
+        self._do("delete", name)
+
+    def delete_collection(self, namespace: str, selector: str) -> Any:
+        self._do("delete_collection", selector)
+
+
+def fake_api(**fail: dict[str, ApiException]) -> tuple[Api, list[tuple[str, ...]]]:
+    log: list[tuple[str, ...]] = []
+    kinds = {kind: FakeObjects(log, kind.value, **fail.get(kind.name, {})) for kind in Kind}
+    return Api(kinds, kinds[Kind.JOB]), log
+
+
+START = Plan((PatchStatus({"attempt": 1}), CreateAttempt(1, 2), PatchStatus({"podsCreated": True})))
+
+
+def test_a_plan_is_sent_in_order_each_status_write_on_the_version_before_it() -> None:
+    api, log = fake_api(POD={"create": api_error(409)})  # there already: a retried start
+    applied: list[str] = []
+    outcome = apply(
+        render_plan(START, target(cache=False)),
+        api,
+        resource_version="5",
+        on_applied=lambda a: applied.append(type(a).__name__),
+    )
+    assert outcome.resource_version == "7" and not (outcome.stale or outcome.refused)
+    assert applied == ["PatchStatus", "CreateAttempt", "PatchStatus"]
+    assert log[0] == ("patch_status", "CheckpointedTrainingJob", "demo")
+    assert log[-1] == ("patch_status", "CheckpointedTrainingJob", "demo")
+    assert ("create", "Pod", "demo-a1-1") in log
+
+
+def test_a_stale_status_write_sends_nothing_after_it() -> None:
+    api, log = fake_api(JOB={"patch_status": api_error(409)})
+    outcome = apply(render_plan(START, target()), api, resource_version="5")
+    assert outcome.stale and outcome.resource_version == "5"
+    assert log == [("patch_status", "CheckpointedTrainingJob", "demo")]
+
+
+def test_a_refused_pod_is_reported_and_a_quota_refusal_of_an_existing_one_is_not() -> None:
+    api, log = fake_api(POD={"create": api_error(422, "spec.containers[0].image: Required")})
+    outcome = apply(render_plan(START, target()), api, resource_version="5")
+    assert outcome.refused == "spec.containers[0].image: Required"
+    assert ("read", "Pod", "demo-a1-0") in log, "a refusal is settled by reading the pod"
+    assert ("patch_status", "CheckpointedTrainingJob", "demo") == log[0] != log[-1]
+
+    api, log = fake_api(POD={"create": api_error(403, "exceeded quota")})
+    cast(FakeObjects, api.kinds[Kind.POD]).existing.add("demo-a1-0")
+    assert not apply(render_plan(START, target()), api, resource_version="5").refused
+
+
+def test_a_terminating_namespace_ends_the_plan_quietly_and_server_errors_raise() -> None:
+    terminating = api_error(403, "namespace ml is terminating", reason="NamespaceTerminating")
+    api, _ = fake_api(ROLE={"create": terminating})
+    outcome = apply(render_plan(START, target()), api, resource_version="5")
+    assert outcome.namespace_terminating and not outcome.refused
+    api, _ = fake_api(LEASE={"create": api_error(503)})
+    with pytest.raises(ApiException):
+        apply(render_plan(START, target()), api, resource_version="5")
+
+
+def test_what_is_gone_already_is_deleted_and_a_role_there_already_is_patched() -> None:
+    api, log = fake_api(POD={"delete": api_error(404)}, ROLE={"create": api_error(409)})
+    apply(render_plan(Plan((DeletePods(("demo-a1-0",)),)), target()), api, resource_version="5")
+    apply(render_plan(Plan((CreateAttempt(2, 1),)), target()), api, resource_version="5")
+    assert ("patch", "Role", "demo-ctj-heartbeat") in log
+    api, _ = fake_api(POD={"delete": api_error(500)})
+    with pytest.raises(ApiException):
+        apply(render_plan(Plan((DeletePods(("x",)),)), target()), api, resource_version="5")
