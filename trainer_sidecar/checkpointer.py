@@ -44,17 +44,14 @@ from .config import CheckpointConfig, job_staging_dir
 from .errors import CheckpointError, SaveFailed
 from .format.manifest import Manifest, SaveIdentity
 from .load.restore import LoadResult, RestoreSettings, restore
-from .load.tiers import ChunkTiers
 from .metrics import CheckpointMetrics, serve
+from .parts import Parts
 from .save import slots, staging
 from .save.persist import Persister
 from .save.protocol import SaveProtocol
 from .state_dict import build_state
 from .store import commit as commits
 from .store.base import ObjectStore
-from .store.chunk_cache import ChunkCache
-from .store.peers import PeerCaches
-from .store.s3 import S3Settings, open_store
 
 log = logging.getLogger("ctj.checkpoint")
 
@@ -165,9 +162,8 @@ class Checkpointer:
         metrics: CheckpointMetrics | None = None,
     ) -> None:
         self.config = config
-        self.store: ObjectStore = store or open_store(
-            config.uri, S3Settings.from_env(endpoint_url=config.endpoint_url, region=config.region)
-        )
+        self._parts = Parts.open(config, store=store)
+        self.store: ObjectStore = self._parts.store
         self.group = process_group
         self.rank = collectives.rank(process_group)
         self.root = job_staging_dir(config)
@@ -190,9 +186,7 @@ class Checkpointer:
             metrics=self.metrics,
         )
         self._last: PendingSave | None = None
-        self.cache = (
-            ChunkCache(config.cache_dir, config.cache_max_bytes) if config.cache_dir else None
-        )
+        self.cache = self._parts.cache
         self._server = (
             serve(config.metrics_port, self.metrics) if config.metrics_port is not None else None
         )
@@ -210,14 +204,11 @@ class Checkpointer:
         atexit.register(self.close)
         if self.config.sidecar:
             return
-        self._persister = Persister(
-            self.store,
-            self.config,
+        self._persister = self._parts.persister(
             root=self.root,
             metrics=self.metrics,
             rank=self.rank,
             versions={"ctj": __version__, "torch": torch.__version__},
-            cache=self.cache,
         )
         self._thread = threading.Thread(
             target=self._persister.run,
@@ -369,14 +360,5 @@ class Checkpointer:
             ),
             metrics=self.metrics,
             group=self.group,
-            tiers=self._tiers(),
+            tiers=self._parts.tiers(),
         )
-
-    def _tiers(self) -> ChunkTiers | None:
-        """The node's cache and the peers', when configured (docs/format.md, "Node cache")."""
-        peers = None
-        if self.config.cache_peers and self.config.cache_token:
-            peers = PeerCaches(self.config.cache_peers, token=self.config.cache_token)
-        if self.cache is None and peers is None:
-            return None
-        return ChunkTiers(cache=self.cache, peers=peers)

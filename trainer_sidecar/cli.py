@@ -28,9 +28,9 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .format.manifest import Manifest
+from .parts import job_store
 from .store import repository as repo
 from .store.base import ObjectStore
-from .store.s3 import S3Settings, open_store
 
 
 def _size(n: float) -> str:
@@ -55,7 +55,7 @@ def _progress(total: int, desc: str) -> Iterator[Callable[[int], None]]:
 
 
 def _store(args: argparse.Namespace) -> ObjectStore:
-    return open_store(args.uri, S3Settings.from_env(endpoint_url=args.endpoint_url))
+    return job_store(args.uri, endpoint_url=args.endpoint_url)
 
 
 def _manifest(store: ObjectStore, step: int | None) -> Manifest:

@@ -32,13 +32,10 @@ from . import heartbeat as heartbeats
 from .config import CheckpointConfig, job_staging_dir
 from .errors import CheckpointError
 from .metrics import CheckpointMetrics, HeartbeatMetrics, StagingCollector, serve
+from .parts import Parts
 from .save import slots
-from .save.persist import Persister
-from .store.base import ObjectStore
-from .store.chunk_cache import ChunkCache
-from .store.peers import PeerCaches, own_index, serve_cache
+from .store.peers import own_index, serve_cache
 from .store.replication import Replicator
-from .store.s3 import S3Settings, open_store
 
 log = logging.getLogger("ctj.sidecar")
 
@@ -95,20 +92,18 @@ def _ignore(signum: int, frame: Any) -> None:
     installed so that SIGTERM does not kill the process by default."""
 
 
-def _replicator(
-    config: CheckpointConfig, store: ObjectStore, cache: ChunkCache | None
-) -> Replicator | None:
+def _replicator(parts: Parts) -> Replicator | None:
     """Peer replication (store/replication.py), where this pod has a cache, peers, and
     finds itself among them."""
-    if cache is None or not config.cache_peers or not config.cache_token:
+    config, peers = parts.config, parts.peers()
+    if parts.cache is None or peers is None:
         return None
     own = own_index(config.cache_peers)
     if own is None:
         log.warning("this pod is not among CTJ_CACHE_PEERS: no peer replication")
         return None
-    peers = PeerCaches(config.cache_peers, token=config.cache_token)
     return Replicator(
-        store, cache, peers, own=own, pods=len(config.cache_peers),
+        parts.store, parts.cache, peers, own=own, pods=len(config.cache_peers),
         give_up_s=config.commit_timeout_s,
     )  # fmt: skip
 
@@ -121,22 +116,16 @@ def run(
     metrics_host: str = "0.0.0.0",
     heartbeat: heartbeats.HeartbeatSettings | None = None,
 ) -> int:
-    store = open_store(
-        config.uri, S3Settings.from_env(endpoint_url=config.endpoint_url, region=config.region)
-    )
+    parts = Parts.open(config)
     root = job_staging_dir(config)
     slots.prepare_root(root)
     metrics = CheckpointMetrics()
     metrics.registry.register(StagingCollector(root))
-    cache = ChunkCache(config.cache_dir, config.cache_max_bytes) if config.cache_dir else None
-    replicator = _replicator(config, store, cache)
-    persister = Persister(
-        store,
-        config,
+    replicator = _replicator(parts)
+    persister = parts.persister(
         root=root,
         metrics=metrics,
         versions={"ctj": __version__},
-        cache=cache,
         on_stored=replicator.saved if replicator is not None else None,
     )
     stop = threading.Event()
@@ -162,9 +151,9 @@ def run(
             )
             log.info("serving /metrics, /healthz, /readyz on port %d", server.server_address[1])
         peer_server = None
-        if cache is not None and config.cache_port is not None and config.cache_token:
+        if parts.cache is not None and config.cache_port is not None and config.cache_token:
             peer_server = serve_cache(
-                cache, token=config.cache_token, host=metrics_host, port=config.cache_port
+                parts.cache, token=config.cache_token, host=metrics_host, port=config.cache_port
             )
             log.info("serving the node's chunk cache to the job's peers on port %d",
                      peer_server.server_address[1])  # fmt: skip
