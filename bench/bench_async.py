@@ -77,9 +77,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_checkpoint  # noqa: E402 - the sibling script, importable from bench/
-from bench_checkpoint import (  # noqa: E402
+import bench_checkpoint
+from bench_checkpoint import (
     COLS,
     MIB,
     REGION,

@@ -589,9 +589,6 @@ def _seaweedfs() -> Iterator[tuple[str, str, int | None]]:
     import shutil
     from pathlib import Path
 
-    hack = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hack")
-    if hack not in sys.path:
-        sys.path.insert(0, hack)
     from ctj_devcluster.seaweedfs import SeaweedFS
 
     root = Path(tempfile.mkdtemp(prefix="ctj-bench-seaweedfs-"))

@@ -62,13 +62,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import bench_checkpoint
 import numpy as np
 import zstandard
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_checkpoint  # noqa: E402 - the sibling script, importable from bench/
-from bench_async import process_cpu_seconds  # noqa: E402
-from bench_checkpoint import (  # noqa: E402
+from bench_async import process_cpu_seconds
+from bench_checkpoint import (
     CREDENTIALS,
     MIB,
     REGION,
@@ -80,8 +78,8 @@ from bench_checkpoint import (  # noqa: E402
     s3_server,
 )
 
-from trainer_sidecar.format import chunking, codecs  # noqa: E402
-from trainer_sidecar.format.manifest import Codec  # noqa: E402
+from trainer_sidecar.format import chunking, codecs
+from trainer_sidecar.format.manifest import Codec
 
 MIN_RATIO = 1.05  # below this a codec is not worth whole-chunk reads: store raw
 GOAL_FP32_OPTIMIZER = 1.15  # issue 13 / DESIGN.md: lossless compression of fp32 state

@@ -43,14 +43,9 @@ from typing import Any
 
 import blake3
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tests.unit.fakes import MemoryStore  # noqa: E402 - the repository's in-memory store
-from trainer_sidecar.config import CheckpointConfig  # noqa: E402
-from trainer_sidecar.format.chunking import Span  # noqa: E402
-from trainer_sidecar.format.manifest import (  # noqa: E402
+from trainer_sidecar.config import CheckpointConfig
+from trainer_sidecar.format.chunking import Span
+from trainer_sidecar.format.manifest import (
     METADATA_FILE,
     ChunkRef,
     FileEntry,
@@ -64,14 +59,17 @@ from trainer_sidecar.format.manifest import (  # noqa: E402
     part_prefix,
     rank_manifest_key,
 )
-from trainer_sidecar.format.policy import Committed, plan_save, reference_ranks  # noqa: E402
-from trainer_sidecar.load.checks import bind, read_manifest  # noqa: E402
-from trainer_sidecar.load.chunk_reader import ChunkReader  # noqa: E402
-from trainer_sidecar.metrics import CheckpointMetrics  # noqa: E402
-from trainer_sidecar.save import slots  # noqa: E402
-from trainer_sidecar.save.persist import Persister  # noqa: E402
-from trainer_sidecar.store import commit as commits  # noqa: E402
-from trainer_sidecar.store.base import ObjectInfo  # noqa: E402
+from trainer_sidecar.format.policy import Committed, plan_save, reference_ranks
+from trainer_sidecar.load.checks import bind, read_manifest
+from trainer_sidecar.load.chunk_reader import ChunkReader
+from trainer_sidecar.metrics import CheckpointMetrics
+from trainer_sidecar.save import slots
+from trainer_sidecar.save.persist import Persister
+from trainer_sidecar.store import commit as commits
+from trainer_sidecar.store.base import ObjectInfo
+from trainer_sidecar.store.memory import MemoryStore
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MIB = 1 << 20
 STEP = 10

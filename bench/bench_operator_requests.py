@@ -61,24 +61,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ctj_contract import GROUP, PLURAL, VERSION
+from ctj_devcluster import Cluster, ClusterConfig, find_binaries
+from ctj_devcluster.audit import AuditEvent, count, read_events
+from ctj_devcluster.local_s3 import LocalS3
+from ctj_stack.jobs import OperatorProcess, install_crd, job_manifest
+from kubernetes import client
+
 ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "hack"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from ctj_devcluster import Cluster, ClusterConfig, find_binaries  # noqa: E402
-from ctj_devcluster.audit import AuditEvent, count, read_events  # noqa: E402
-from ctj_devcluster.local_s3 import LocalS3  # noqa: E402
-from kubernetes import client  # noqa: E402
-
-from tests.cluster.operator_env import (  # noqa: E402
-    GROUP,
-    PLURAL,
-    VERSION,
-    OperatorProcess,
-    install_crd,
-    job_manifest,
-)
 
 RBAC = ROOT / "deploy" / "operator-rbac.yaml"
 OPERATOR_NS, OPERATOR_SA = "ctj-system", "ctj-operator"

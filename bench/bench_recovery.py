@@ -56,20 +56,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "hack"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from ctj_devcluster import Cluster, ClusterConfig, find_binaries  # noqa: E402
-from ctj_devcluster.local_s3 import LocalS3  # noqa: E402
-from kubernetes import client  # noqa: E402
-
-from tests.cluster.operator_env import (  # noqa: E402
+from ctj_contract import GROUP, PLURAL, VERSION
+from ctj_devcluster import Cluster, ClusterConfig, find_binaries
+from ctj_devcluster.local_s3 import LocalS3
+from ctj_stack.jobs import (
     FAST_TRAINING,
-    GROUP,
-    PLURAL,
-    VERSION,
     OperatorProcess,
     attempt_of,
     committed_steps,
@@ -80,6 +71,9 @@ from tests.cluster.operator_env import (  # noqa: E402
     status,
     trainer_events,
 )
+from kubernetes import client
+
+ROOT = Path(__file__).resolve().parents[1]
 
 JOB_NS, JOB = "bench", "recover"
 WORLD = 3

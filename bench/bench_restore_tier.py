@@ -39,9 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_checkpoint as bc  # noqa: E402 - the sibling script, importable from bench/
+import bench_checkpoint as bc
 
 SAVE_WORLD = 3
 LOST = 2  # the node that is lost

@@ -30,11 +30,18 @@ if [ ! -f "$CTJ_VENV/.complete" ]; then
   touch "$CTJ_VENV/.complete"
 fi
 
-_ctj_install="$_ctj_root $(sha256sum "$_ctj_root/pyproject.toml" | cut -c1-12)"
+# the product (pyproject.toml) and the development harness (hack/pyproject.toml: the local
+# clusters and stack helpers the tests, benchmarks and demo import; never shipped)
+_ctj_install="$_ctj_root $(cat "$_ctj_root/pyproject.toml" "$_ctj_root/hack/pyproject.toml" \
+  | sha256sum | cut -c1-12)"
 if [ "$(cat "$CTJ_VENV/.checkout" 2>/dev/null)" != "$_ctj_install" ]; then
-  "$CTJ_VENV/bin/pip" install --disable-pip-version-check -q --no-deps --no-build-isolation \
-      -e "$_ctj_root" >"$CTJ_CACHE/editable-install.log" 2>&1 \
-    || { cat "$CTJ_CACHE/editable-install.log" >&2; return 1; }
+  # one after the other: reinstalling an older ctj that still owned the ctj-devcluster
+  # script would remove the one ctj-dev had just written
+  for _ctj_dist in "$_ctj_root" "$_ctj_root/hack"; do
+    "$CTJ_VENV/bin/pip" install --disable-pip-version-check -q --no-deps --no-build-isolation \
+        -e "$_ctj_dist" >"$CTJ_CACHE/editable-install.log" 2>&1 \
+      || { cat "$CTJ_CACHE/editable-install.log" >&2; return 1; }
+  done
   echo "$_ctj_install" > "$CTJ_VENV/.checkout"
 fi
 exec {_ctj_lock}>&-

@@ -2,6 +2,9 @@
 # The test command (README, .ci/run): builds or reuses the cached environment and
 # tools, then runs every test tier that this machine can run. Extra arguments go to pytest.
 #
+# ./hack/test.sh --fast: lint, type checks and the unit tests only (no Go, no Docker, no
+# cluster; under 2 minutes once the Python environment is built). Use it while you work.
+#
 # The e2e tier (tests/e2e) runs on a kind cluster of its own, ${CTJ_E2E_CLUSTER:-ctj-e2e}
 # (the demo's cluster is left alone). With no arguments, everything it needs is built in
 # the background while the other tiers run (hack/stack-env.sh --prepare); the cluster is
@@ -13,6 +16,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
 phase() { echo "ctj: [$(( $(date +%s) - t0 ))s] $*" >&2; }
+lint() {
+  phase "ruff"
+  ruff check trainer_sidecar operator contract tests bench hack/ctj_devcluster hack/ctj_stack examples
+  phase "mypy"
+  mypy trainer_sidecar operator/ctj_operator contract/ctj_contract hack/ctj_devcluster hack/ctj_stack bench
+}
+if [[ "${1:-}" == "--fast" ]]; then
+  shift
+  source hack/env.sh
+  set -euo pipefail
+  hack/system-tools.sh              # promtool (a Debian package)
+  lint
+  phase "pytest (unit)"
+  python -m pytest -q -ra tests/unit "$@"
+  phase "done"
+  exit 0
+fi
 # The Go build of the control plane (cached by version) needs only bash and Go:
 # on a cold machine it overlaps the venv build instead of following it.
 bin_log=$(mktemp)
@@ -23,10 +43,7 @@ set -euo pipefail
 hack/system-tools.sh                # promtool
 wait "$bin_pid" || { cat "$bin_log" >&2; echo "ctj: building the cluster binaries failed" >&2; exit 1; }
 cat "$bin_log" >&2
-phase "ruff"
-ruff check trainer_sidecar operator contract tests bench hack/ctj_devcluster hack/ctj_stack examples
-phase "mypy"
-mypy trainer_sidecar operator/ctj_operator contract/ctj_contract hack/ctj_devcluster hack/ctj_stack bench
+lint
 
 e2e_cluster="${CTJ_E2E_CLUSTER:-ctj-e2e}"
 e2e_env="$(mktemp)" e2e_log="$(mktemp)" e2e_made=""

@@ -3,21 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from ctj_contract import GROUP, PLURAL, VERSION
 from ctj_devcluster import Cluster
+from ctj_stack.jobs import FAST_TRAINING, NewJob, core, custom, job_pods, running, wait_for
 from kubernetes.client.exceptions import ApiException
-
-from tests.cluster.operator_env import (
-    FAST_TRAINING,
-    GROUP,
-    PLURAL,
-    VERSION,
-    NewJob,
-    core,
-    custom,
-    job_pods,
-    running,
-    wait_for,
-)
 
 pytestmark = pytest.mark.cluster
 

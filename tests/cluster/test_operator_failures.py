@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import pytest
 from ctj_devcluster import Cluster
+from ctj_stack.jobs import NewJob, attempt_of, create_job, job_manifest, job_pods, status, wait_for
 from kubernetes.client.exceptions import ApiException
-
-from tests.cluster.operator_env import (
-    NewJob,
-    attempt_of,
-    create_job,
-    job_manifest,
-    job_pods,
-    status,
-    wait_for,
-)
 
 pytestmark = pytest.mark.cluster
 

@@ -17,13 +17,10 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
+from ctj_contract import GROUP, PLURAL, VERSION
 from ctj_devcluster import Cluster
-
-from tests.cluster.operator_env import (
+from ctj_stack.jobs import (
     FAST_TRAINING,
-    GROUP,
-    PLURAL,
-    VERSION,
     NewJob,
     OperatorProcess,
     attempt_of,

@@ -5,19 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from ctj_contract import GROUP, PLURAL, VERSION
 from ctj_devcluster import Cluster
+from ctj_stack.jobs import OperatorProcess, custom, job_manifest, status, wait_for
 from kubernetes import client
-
-from tests.cluster.operator_env import (
-    GROUP,
-    PLURAL,
-    VERSION,
-    OperatorProcess,
-    custom,
-    job_manifest,
-    status,
-    wait_for,
-)
 
 pytestmark = pytest.mark.cluster
 

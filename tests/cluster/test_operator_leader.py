@@ -8,18 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ctj_contract import GROUP, PLURAL, VERSION
 from ctj_devcluster import Cluster
 from ctj_operator.apply import Api, apply
 from ctj_operator.decisions import CreateAttempt, PatchStatus, Plan
 from ctj_operator.render import Target, render_plan
 from ctj_operator.spec import JobSpec
-from kubernetes import client
-
-from tests.cluster.operator_env import (
+from ctj_stack.jobs import (
     FAST_TRAINING,
-    GROUP,
-    PLURAL,
-    VERSION,
     OperatorProcess,
     create_job,
     custom,
@@ -29,6 +25,7 @@ from tests.cluster.operator_env import (
     running,
     wait_for,
 )
+from kubernetes import client
 
 pytestmark = pytest.mark.cluster
 

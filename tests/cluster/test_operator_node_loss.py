@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 from ctj_devcluster import Cluster
 from ctj_devcluster.prometheus import Prometheus, PrometheusConfig, Target
-
-from tests.cluster.operator_env import (
+from ctj_stack.jobs import (
     FAST_TRAINING,
     NewJob,
     OperatorProcess,
@@ -31,6 +30,7 @@ from tests.cluster.operator_env import (
     wait_for,
     wait_resumed,
 )
+
 from tests.unit.test_alert_rules import RULES
 from tests.unit.test_chart_files import DASHBOARD, dashboard_exprs
 

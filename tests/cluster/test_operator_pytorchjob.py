@@ -16,22 +16,22 @@ import pytest
 from ctj_devcluster import Cluster
 from ctj_devcluster.kubeflow import KubeflowController
 from ctj_operator.builders import master_port
-from kubernetes.client.exceptions import ApiException
-
-from tests.cluster.operator_env import (
+from ctj_stack.jobs import (
     FAST_TRAINING,
     NewJob,
     committed_steps,
     core,
     custom,
     job_pods,
-    kubeflow_build,
     running,
     status,
     trainer_events,
     wait_for,
     wait_resumed,
 )
+from kubernetes.client.exceptions import ApiException
+
+from tests.cluster.operator_env import kubeflow_build
 
 pytestmark = pytest.mark.cluster
 KF = ("kubeflow.org", "v1")

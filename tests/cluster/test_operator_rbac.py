@@ -9,19 +9,19 @@ from pathlib import Path
 import pytest
 from ctj_devcluster import Cluster
 from ctj_devcluster.kubeflow import install_crd as install_pytorchjob_crd
-
-from tests.cluster.operator_env import (
+from ctj_stack.jobs import (
     FAST_TRAINING,
     NODE_CACHE,
     OperatorProcess,
     core,
     create_job,
     job_manifest,
-    kubeflow_build,
     running,
     status,
     wait_for,
 )
+
+from tests.cluster.operator_env import kubeflow_build
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.cluster

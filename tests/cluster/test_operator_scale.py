@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 from ctj_devcluster import Cluster
-
-from tests.cluster.operator_env import (
+from ctj_stack.jobs import (
     FAST_TRAINING,
     NewJob,
     committed_steps,

@@ -17,15 +17,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from ctj_contract import GROUP, PLURAL, VERSION
 from ctj_devcluster import Binaries, Cluster, ClusterConfig
-from kubernetes.client.exceptions import ApiException
-from prometheus_client.parser import text_string_to_metric_families
-
-from tests.cluster.kube import pod_manifest
-from tests.cluster.operator_env import (
-    GROUP,
-    PLURAL,
-    VERSION,
+from ctj_stack.jobs import (
     OperatorProcess,
     core,
     create_job,
@@ -39,6 +33,10 @@ from tests.cluster.operator_env import (
     status,
     wait_for,
 )
+from kubernetes.client.exceptions import ApiException
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.cluster.kube import pod_manifest
 
 pytestmark = pytest.mark.cluster
 

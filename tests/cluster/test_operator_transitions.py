@@ -24,8 +24,7 @@ from typing import Any
 
 import pytest
 from ctj_devcluster import Binaries, Cluster, ClusterConfig
-
-from tests.cluster.operator_env import (
+from ctj_stack.jobs import (
     FAST_TRAINING,
     NewJob,
     OperatorProcess,

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import zstandard
 
-from tests.unit.fakes import MemoryStore
 from trainer_sidecar.config import CheckpointConfig
 from trainer_sidecar.errors import CheckpointError, CorruptCheckpointError
 from trainer_sidecar.format import codecs
@@ -29,6 +28,7 @@ from trainer_sidecar.format.manifest import (
 from trainer_sidecar.load.chunk_reader import ChunkReader
 from trainer_sidecar.save.slots import StagedCheckpoint
 from trainer_sidecar.save.uploader import StagedFile, UploadSettings, upload_rank
+from trainer_sidecar.store.memory import MemoryStore
 
 LENGTHS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1001, 1002, 1003, 4096, 65537, (1 << 20) + 3]
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.fakes import MemoryStore
 from trainer_sidecar.config import CheckpointConfig
 from trainer_sidecar.errors import (
     CheckpointError,
@@ -41,6 +40,7 @@ from trainer_sidecar.save import slots
 from trainer_sidecar.save.persist import Persister
 from trainer_sidecar.store import commit as commits
 from trainer_sidecar.store import repository
+from trainer_sidecar.store.memory import MemoryStore
 
 A1 = SaveIdentity("1", "aaaaaaaaaaaaaaaa")
 A2 = SaveIdentity("2", "bbbbbbbbbbbbbbbb")

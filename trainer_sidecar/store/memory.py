@@ -1,4 +1,5 @@
-"""Fakes for unit tests of what sits above the object store (commit, persister, gc)."""
+"""An object store in memory: for tests and benchmarks of what sits above the store
+(commit, persister, gc, the format at scale), where a real server would only add noise."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import builtins
 import threading
 from collections.abc import Iterable, Iterator
 
-from trainer_sidecar.errors import ObjectExists, ObjectNotFound
-from trainer_sidecar.store.base import ObjectInfo
+from ..errors import ObjectExists, ObjectNotFound
+from .base import ObjectInfo
 
 
 class MemoryStore:
