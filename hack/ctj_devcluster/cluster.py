@@ -20,15 +20,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .binaries import HACK_DIR, Binaries, find_binaries
 from .controlplane import ControlPlane, ControlPlaneConfig
 from .kubeconfig import write_kubeconfig
+from .node_config import NodeAgentConfig
 from .processes import ManagedProcess, wait_until
-
-if TYPE_CHECKING:
-    from .node_agent import NodeAgentConfig
 
 DNS_USER = "ctj:dns"
 
@@ -259,8 +257,6 @@ class Cluster:
         self, name: str | None = None, *, wait: bool = True, **overrides: Any
     ) -> NodeHandle:
         """Starts a node agent (name defaults to node-<n>); waits until it is Ready."""
-        from .node_agent import NodeAgentConfig  # not at import: `-m node_agent` warns
-
         index = self._next_index
         self._next_index += 1
         name = name or f"node-{index}"

@@ -23,18 +23,29 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import podspec, volumes
-from .pod_api import now_rfc3339
+from .node_config import NodeAgentConfig
+from .pod_api import PodApi, now_rfc3339
 from .podspec import ConfigError, Obj
-
-if TYPE_CHECKING:
-    from .node_agent import NodeAgent
 
 log = logging.getLogger(__name__)
 POD_EXEC = Path(__file__).with_name("pod_exec.py")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class PodHost(Protocol):
+    """What a PodWorker needs of the node agent that runs it (node_agent.NodeAgent)."""
+
+    config: NodeAgentConfig
+    node_ip: str
+    pod_api: PodApi
+    allocatable: dict[str, Any]
+
+    def hosts_file(self, pod: Obj, pod_ip: str) -> Path: ...
+
+    def pod_finished(self, worker: PodWorker) -> None: ...
 
 
 @dataclass
@@ -94,7 +105,7 @@ class Container:
 
 @dataclass
 class PodWorker:
-    agent: NodeAgent
+    agent: PodHost
     pod: Obj
     pod_ip: str
     containers: list[Container] = field(default_factory=list)
