@@ -69,7 +69,7 @@ cluster_exists() { "$KIND" get clusters 2>/dev/null | grep -qx "$cluster"; }
 
 # healthy: every node Ready, CoreDNS and the route agent ready (prints what is missing)
 healthy() {
-  local want=$(( workers + 1 )) ready dns routes
+  local want=$(( workers + 1 )) ready dns routes proxies
   ready="$(kubectl get nodes --request-timeout=5s -o \
     jsonpath='{range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' 2>/dev/null \
     | grep -c '^True$' || true)"
@@ -77,7 +77,9 @@ healthy() {
     -o jsonpath='{.status.readyReplicas}/{.spec.replicas}' 2>/dev/null || true)"
   routes="$(kubectl -n kube-system get ds ctj-kind-routes --request-timeout=5s \
     -o jsonpath='{.status.numberReady}/{.status.desiredNumberScheduled}' 2>/dev/null || true)"
-  HEALTH="nodes Ready $ready/$want, coredns ${dns:-?}, ctj-kind-routes ${routes:-?}"
+  proxies="$(kubectl -n kube-system get ds kube-proxy --request-timeout=5s \
+    -o jsonpath='{.status.numberReady}/{.status.desiredNumberScheduled}' 2>/dev/null || true)"
+  HEALTH="nodes Ready $ready/$want, coredns ${dns:-?}, kube-proxy ${proxies:-?}, ctj-kind-routes ${routes:-?}"
   if [ -n "${SINCE:-}" ]; then
     # nodes just started: a Ready condition can be the one from before they stopped; a
     # kubelet that renewed its Lease since then is the new one
@@ -99,7 +101,7 @@ healthy() {
       if [ -z "$pods" ] || grep -q old <<<"$pods"; then HEALTH+=", ${sel#k8s-app=} pods not Ready again"; return 1; fi
     done
   fi
-  [ "$ready" = "$want" ] && all_of "$dns" && all_of "$routes"
+  [ "$ready" = "$want" ] && all_of "$dns" && all_of "$routes" && all_of "$proxies"
 }
 # all_of N/M: N == M > 0
 all_of() { [[ "$1" =~ ^([0-9]+)/([0-9]+)$ ]] && (( BASH_REMATCH[1] == BASH_REMATCH[2] && BASH_REMATCH[2] > 0 )); }
@@ -148,6 +150,23 @@ EOF
   } > "$cfg"
 }
 
+# kind's known issue: each node (systemd, containerd, kubelet, kube-proxy) holds inotify
+# instances of the host's root user, so two clusters' nodes exhaust the default 128 and
+# kube-proxy fails on the nodes made last ("too many open files"): no Service, no DNS.
+# Raised to kind's recommended values where lower, or the reason given.
+INOTIFY_LIMITS=(fs.inotify.max_user_instances=512 fs.inotify.max_user_watches=524288)
+inotify_limits() {
+  local setting key want have
+  for setting in "${INOTIFY_LIMITS[@]}"; do
+    key="${setting%=*}" want="${setting#*=}"
+    have="$(sysctl -n "$key")"
+    (( have >= want )) && continue
+    sysctl -qw "$key=$want" >/dev/null 2>&1 \
+      || die "$key is $have, under kind's $want for several clusters' nodes: run 'sysctl -w $key=$want' as root"
+    log "raised $key from $have to $want (kind's limit for more than one cluster's nodes)"
+  done
+}
+
 create() {
   local start n
   log "creating cluster $cluster: 1 control plane + $workers workers from $NODE_IMAGE"
@@ -173,6 +192,7 @@ cmd_prepare() {
 }
 
 cmd_up() {
+  inotify_limits
   tools
   images_info
   "$kind_dir/store.sh" add "${IMAGES[@]}"

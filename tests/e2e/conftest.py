@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from ctj_stack import Images, NodeControl, S3Credentials, Stack
+from ctj_stack.health import cluster_problems
 from ctj_stack.stack import OPERATOR_NAMESPACE
 
 
@@ -60,7 +61,12 @@ def stack() -> Stack:
         images = Images.from_env()
     except ValueError as exc:
         pytest.fail(f"e2e tier: {exc}")
-    return Stack(Path(kubeconfig), images, log=lambda line: print(f"e2e: {line}", flush=True))
+    stack = Stack(Path(kubeconfig), images, log=lambda line: print(f"e2e: {line}", flush=True))
+    # first: a broken cluster fails the tier now, with its reason, not after every timeout
+    problems = cluster_problems(stack.core, images.trainer, stack.log)
+    if problems:
+        pytest.fail("e2e tier: the cluster cannot run it: " + "; ".join(problems), pytrace=False)
+    return stack
 
 
 @pytest.fixture(scope="session")
