@@ -85,3 +85,9 @@ def namespace(cluster: Cluster) -> Iterator[str]:
 
 
 # the operator tier's fixtures (3-node cluster with the CRD, the operator process)
+from tests.cluster.operator_env import (  # noqa: E402, F401
+    job_namespace,
+    new_job,
+    op_cluster,
+    operator,
+)
