@@ -44,8 +44,7 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
     rv = str(meta.get("resourceVersion"))
     if not op.leads() or op.stale(uid, rv):
         return
-    state = job_state(dict(body.get("status") or {}))
-    obs: Observation | None = None
+    spec: JobSpec | None = None
     try:
         spec = JobSpec.parse(
             dict(body.get("spec") or {}),
@@ -53,7 +52,11 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
             node_cache=op.config.node_cache,
         )
     except SpecError as exc:
-        plan, target = invalid_spec(state, str(exc), time.time()), Target(body=body, spec=None)
+        invalid = str(exc)
+    state = job_state(dict(body.get("status") or {}))
+    obs: Observation | None = None
+    if spec is None:
+        plan, target = invalid_spec(state, invalid, time.time()), Target(body=body, spec=None)
     else:
         op.metrics.job_seen(namespace, name, state.phase, state.world_size, state.attempt)
         uri = state.storage or job_checkpoint_uri(spec, namespace, name, uid)
