@@ -21,15 +21,34 @@
 # directory counts only once its .complete marker exists (written last), so an interrupted
 # build is simply redone. GOCACHE and GOMODCACHE live under the cache too, so CI can keep
 # them and a rebuild after a flag change recompiles little.
+#
+# Downloaded where published: etcd, the control plane, helm, and for --kind kind, kubelet/
+# kubeadm/kube-proxy/kubectl and crictl are fetched pre-built at the same versions from
+# dl.k8s.io, GitHub releases and get.helm.sh where those answer (hack/registry/download.sh:
+# each file checked against its published sha256; CTJ_DOWNLOAD=auto|never|always, default
+# $CTJ_PULL; CTJ_DOWNLOAD_MIRROR, CTJ_DL_*; docs/registry.md). They go into
+# <name>-<version>-dl/bin (no build recipe made them); where nothing answers (a DNS failure
+# or a 3 s probe, once per site) they are built as above. A complete directory of either
+# kind is used as it is, the built one first, so a warm cache neither downloads nor builds.
 set -euo pipefail
 hack="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck disable=SC1091
 source "$hack/versions.env"
+# shellcheck source=hack/registry/download.sh
+source "$hack/registry/download.sh"
 mode="${1:-build}"
 cache="${CTJ_CACHE:-$HOME/.cache/ctj}"
 export PATH="${CTJ_GO_ROOT:-/usr/local/go}/bin:$PATH"
 export GOTOOLCHAIN=local GOSUMDB=off GOFLAGS="-mod=readonly -buildvcs=false" CGO_ENABLED=0
 export GOCACHE="$cache/go/build" GOMODCACHE="$cache/go/mod"
+# One build at a time per cache: the test command, the demo and the e2e preparation may
+# each call this script, and two builds of one recipe would share its .tmp directory.
+# A caller that waited finds the other's .complete and builds nothing. The checks build
+# nothing and never wait (the tests run them while the e2e tier's build goes on).
+case "$mode" in
+  --check|--kind-check) ;;
+  *) mkdir -p "$cache"; exec 8>"$cache/.cluster-binaries.lock"; flock 8 ;;
+esac
 
 log() { printf 'cluster-binaries: %s\n' "$*" >&2; }
 
@@ -70,6 +89,23 @@ build() {
   log "[$name] built in $(( $(date +%s) - start ))s"
 }
 
+# dl_dir NAME VERSION -> where NAME's published binaries are downloaded to
+dl_dir() { printf '%s/%s-%s-dl' "$cache" "$1" "$2"; }
+# download_or_build VAR NAME VERSION MODULE LDFLAGS PACKAGES...: NAME's published binaries
+# into dl_dir (VAR is then set to it), else `build NAME "${!VAR}" ...` as before
+download_or_build() {
+  local var="$1" name="$2" version="$3" dl; shift 3
+  dl="$(dl_dir "$name" "$version")"
+  if download_tool "$name" "$version" "$dl"; then printf -v "$var" '%s' "$dl"; return 0; fi
+  build "$name" "${!var}" "$@"
+}
+# extras_dl_kind DIR: hack/kind/images.sh copies kind's node-image files from its module,
+# which a downloaded kind did not bring into GOMODCACHE
+extras_dl_kind() {
+  log "[kind] downloading the module sigs.k8s.io/kind@$KIND_VERSION (its node-image files)"
+  (cd "$hack/gomod/kind" && go mod download sigs.k8s.io/kind)
+}
+
 kubeflow_pkg=github.com/kubeflow/training-operator
 # extras_NAME DIR: files besides the binaries, put in place before the .complete marker.
 # The training-operator's PyTorchJob CRD and ClusterRole, from the very module it is built from.
@@ -102,14 +138,18 @@ kubeflow_dir="$(recipe_dir kubeflow "$KUBEFLOW_TRAINING_OPERATOR_VERSION" "$hack
   "$kubeflow_ldflags")"
 seaweedfs_ldflags="-s -w"
 seaweedfs_dir="$(recipe_dir seaweedfs "$SEAWEEDFS_VERSION" "$hack/gomod/seaweedfs" "$seaweedfs_ldflags")"
+# a complete downloaded directory stands for the built one (hack/registry/download.sh)
+k8s_dir="$(download_pick "$k8s_dir" "$(dl_dir k8s "$K8S_VERSION")")"
+etcd_dir="$(download_pick "$etcd_dir" "$(dl_dir etcd "$ETCD_VERSION")")"
+helm_dir="$(download_pick "$helm_dir" "$(dl_dir helm "$HELM_VERSION")")"
 
 # etcd and the control plane's binaries: both modes need them (kind's images carry them)
 build_control_plane() {
   if [ ! -f "$etcd_dir/.complete" ]; then
-    build etcd "$etcd_dir" "$hack/gomod/etcd" "$etcd_ldflags" .
+    download_or_build etcd_dir etcd "$ETCD_VERSION" "$hack/gomod/etcd" "$etcd_ldflags" .
   fi
   if [ ! -f "$k8s_dir/.complete" ]; then
-    build k8s "$k8s_dir" "$hack/gomod/k8s" "$k8s_ldflags" \
+    download_or_build k8s_dir k8s "$K8S_VERSION" "$hack/gomod/k8s" "$k8s_ldflags" \
       k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
       k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
   fi
@@ -132,6 +172,9 @@ if [ "$mode" = "--kind" ] || [ "$mode" = "--kind-check" ]; then
   coredns_dir="$(recipe_dir coredns "$COREDNS_VERSION" "$hack/gomod/coredns" "$coredns_ldflags")"
   crictl_ldflags="-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$CRI_TOOLS_VERSION"
   crictl_dir="$(recipe_dir crictl "$CRI_TOOLS_VERSION" "$hack/gomod/cri-tools" "$crictl_ldflags")"
+  kind_dir="$(download_pick "$kind_dir" "$(dl_dir kind "$KIND_VERSION")")"
+  k8s_node_dir="$(download_pick "$k8s_node_dir" "$(dl_dir k8s-node "$K8S_VERSION")")"
+  crictl_dir="$(download_pick "$crictl_dir" "$(dl_dir crictl "$CRI_TOOLS_VERSION")")"
   # hack/kind/go has no go.sum (standard library only) and its sources sit in cmd/*:
   # its recipe is the hash of every file in it.
   kind_tools_src="$hack/kind/go"
@@ -163,21 +206,23 @@ if [ "$mode" = "--kind" ] || [ "$mode" = "--kind-check" ]; then
     build kind-tools "$kind_tools_dir" "$kind_tools_src" "-s -w" ./cmd/pause ./cmd/ctj-kind-routes
   fi
   if [ ! -f "$kind_dir/.complete" ]; then
-    build kind "$kind_dir" "$hack/gomod/kind" "$kind_ldflags" sigs.k8s.io/kind
+    download_or_build kind_dir kind "$KIND_VERSION" "$hack/gomod/kind" "$kind_ldflags" \
+      sigs.k8s.io/kind
   fi
   if [ ! -f "$crictl_dir/.complete" ]; then
-    build crictl "$crictl_dir" "$hack/gomod/cri-tools" "$crictl_ldflags" sigs.k8s.io/cri-tools/cmd/crictl
+    download_or_build crictl_dir crictl "$CRI_TOOLS_VERSION" "$hack/gomod/cri-tools" \
+      "$crictl_ldflags" sigs.k8s.io/cri-tools/cmd/crictl
   fi
   if [ ! -f "$coredns_dir/.complete" ]; then
     build coredns "$coredns_dir" "$hack/gomod/coredns" "$coredns_ldflags" .
   fi
   if [ ! -f "$k8s_node_dir/.complete" ]; then
-    build k8s-node "$k8s_node_dir" "$hack/gomod/k8s-node" "$k8s_ldflags" \
+    download_or_build k8s_node_dir k8s-node "$K8S_VERSION" "$hack/gomod/k8s-node" "$k8s_ldflags" \
       k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubeadm \
       k8s.io/kubernetes/cmd/kube-proxy k8s.io/kubernetes/cmd/kubectl
   fi
   if (( ${#kmissing[@]} )); then
-    log "cold build of ${kmissing[*]##*/} took $(( $(date +%s) - t0 ))s"
+    log "cold start (download or build) of ${kmissing[*]##*/} took $(( $(date +%s) - t0 ))s"
   else
     log "all kind binaries cached"
   fi
@@ -197,7 +242,8 @@ if [ "$mode" != "build" ]; then log "usage: $0 [--check|--kind|--kind-check]"; e
 t0=$(date +%s)
 build_control_plane
 if [ ! -f "$helm_dir/.complete" ]; then
-  build helm "$helm_dir" "$hack/gomod/helm" "$helm_ldflags" helm.sh/helm/v3/cmd/helm
+  download_or_build helm_dir helm "$HELM_VERSION" "$hack/gomod/helm" "$helm_ldflags" \
+    helm.sh/helm/v3/cmd/helm
 fi
 if [ ! -f "$kubeflow_dir/.complete" ]; then
   build kubeflow "$kubeflow_dir" "$hack/gomod/kubeflow" "$kubeflow_ldflags" \
@@ -208,7 +254,7 @@ if [ ! -f "$seaweedfs_dir/.complete" ]; then
     github.com/seaweedfs/seaweedfs/weed
 fi
 if (( ${#missing[@]} )); then
-  log "cold build of ${missing[*]##*/} took $(( $(date +%s) - t0 ))s"
+  log "cold start (download or build) of ${missing[*]##*/} took $(( $(date +%s) - t0 ))s"
 else
   log "all binaries cached"
 fi

@@ -8,7 +8,8 @@
 #   CTJ_E2E_NODE_STOP=docker kill {node}   CTJ_E2E_NODE_START=docker start {node}
 #
 #   hack/stack-env.sh --prepare   builds all of it (Docker, our images, kind's binaries and
-#                                 images, the image store) but creates no cluster and prints
+#                                 images, the image store, the loopback registry of the
+#                                 pull path's test) but creates no cluster and prints
 #                                 nothing: the test command runs it beside the other tiers,
 #                                 so that no idle cluster shares the cores with them
 #
@@ -27,7 +28,12 @@ mapfile -t image_names < <(printf '%s\n' "$images" | cut -d= -f2)
 # what they have: their stores are copies)
 "$hack/containers/images.sh" --prune "${image_names[@]}"
 "$hack/kind/cluster.sh" prune "${image_names[@]}" >&2
-[ "${1:-}" != "--prepare" ] || exit 0
+if [ "${1:-}" = "--prepare" ]; then
+  # the loopback registry the pull path's test runs (tests/e2e/test_registry_pull.py):
+  # built here, in the background of the other tiers, not on the e2e tier's clock
+  "$hack/registry/registry.sh" build >/dev/null
+  exit 0
+fi
 kubeconfig="$("$hack/kind/cluster.sh" up | sed -n 's/^KUBECONFIG=//p')"
 [ -n "$kubeconfig" ] || { echo "stack-env: hack/kind/cluster.sh up printed no KUBECONFIG" >&2; exit 1; }
 "$hack/kind/cluster.sh" load "${image_names[@]}" >&2

@@ -16,9 +16,18 @@
 # never run a stale image under an old name. The Python base is ctj/python:3.11-bookworm,
 # Debian's python3 on the debootstrap base (base-image.sh). Users with a registry build
 # the same Dockerfile FROM python:3.11-slim (docs/deploy.md).
+#
+# Kubeflow's controller is pulled first where a registry answers: Kubeflow's own image of
+# the pinned version ($KUBEFLOW_TRAINING_OPERATOR_IMAGE in hack/versions.env), printed
+# under that name (hack/registry/pull.sh: CTJ_PULL, CTJ_REGISTRY_MIRROR; docs/registry.md).
+# SeaweedFS is pinned to a commit of its master, which has no published image: built here.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
+# shellcheck disable=SC1091
+source "$root/hack/versions.env"
+# shellcheck disable=SC1091  # hack/registry/pull.sh: pull-or-build
+source "$root/hack/registry/pull.sh"
 DOCKER=/usr/bin/docker
 export DOCKER_BUILDKIT=1
 log() { printf 'images: %s\n' "$*" >&2; }
@@ -36,12 +45,13 @@ key() {
 }
 
 # build IMAGE DOCKERFILE CONTEXT [docker build args...]: build unless IMAGE exists
+# (NOT_PULLED in the environment: why a published image was not pulled instead)
 build() {
   local image="$1" file="$2" context="$3"; shift 3
   if "$DOCKER" image inspect "$image" >/dev/null 2>&1; then return 0; fi
   local start blog; start=$(date +%s)
   blog="${CTJ_CACHE:-$HOME/.cache/ctj}/build-${image//[\/:]/-}.log"
-  log "building $image (progress: $blog)"
+  log "building $image${NOT_PULLED:+ (not pulled: $NOT_PULLED)} (progress: $blog)"
   if ! "$DOCKER" build --progress=plain -f "$file" -t "$image" "$@" "$context" >"$blog" 2>&1; then
     tail -n 30 "$blog" >&2
     log "building $image failed"; return 1
@@ -98,8 +108,13 @@ for what in "${wanted[@]}"; do
         "$(built_dir CTJ_SEAWEEDFS_BIN_DIR)/weed")"
       echo "CTJ_SEAWEEDFS_IMAGE=$image" ;;
     kubeflow)
-      image="$(binary_image training-operator "$root/deploy/kubeflow/Dockerfile" \
-        "$(built_dir CTJ_KUBEFLOW_BIN_DIR)/training-operator.v1")"
+      # pulled before anything is built: the binary is needed only for a build
+      if pull_image "$KUBEFLOW_TRAINING_OPERATOR_IMAGE"; then
+        image="$KUBEFLOW_TRAINING_OPERATOR_IMAGE"
+      else
+        image="$(NOT_PULLED="$PULL_WHY" binary_image training-operator \
+          "$root/deploy/kubeflow/Dockerfile" "$(built_dir CTJ_KUBEFLOW_BIN_DIR)/training-operator.v1")"
+      fi
       echo "CTJ_KUBEFLOW_IMAGE=$image" ;;
     *) log "unknown image '$what' (operator, trainer, seaweedfs, kubeflow)"; exit 2 ;;
   esac

@@ -21,11 +21,18 @@
 # Cached by inputs: every image carries a label ctj.inputs = hash of its Dockerfile, the
 # cache directories of the binaries it holds (their names are version + recipe hashes) and
 # its base image's ID; an image whose label matches is not rebuilt.
+#
+# Pulled where a registry answers: the registry.k8s.io images above are first pulled under
+# their own names at the same versions (hack/registry/pull.sh: CTJ_PULL, CTJ_REGISTRY_MIRROR;
+# docs/registry.md); one that cannot be is built as described. ctj/* images (the route
+# agent, the node image with our CNI and containerd config) are always built here.
 set -euo pipefail
 kind_dir="$(cd "$(dirname "$0")" && pwd)"
 hack="$(cd "$kind_dir/.." && pwd)"
 # shellcheck disable=SC1091
 source "$hack/versions.env"
+# shellcheck disable=SC1091  # hack/registry/pull.sh: pull-or-build
+source "$hack/registry/pull.sh"
 mode="${1:-build}"
 DOCKER=/usr/bin/docker
 export DOCKER_BUILDKIT=1
@@ -59,7 +66,8 @@ id_of() { "$DOCKER" image inspect -f '{{.Id}}' "$1" 2>/dev/null || echo none; }
 
 # image NAME DOCKERFILE_TEXT BASE_ID FILE... : a build context of FILEs (hardlinked when
 # they can be) under bin/, built as NAME unless NAME's ctj.inputs label already matches.
-# Extra tags: EXTRA_TAGS="a b" in the environment.
+# Extra tags: EXTRA_TAGS="a b" in the environment. PUBLISHED=1 in the environment: NAME (and
+# the extra tags) are published names, pulled rather than built where they can be.
 image() {
   local name="$1" dockerfile="$2" from_id="$3"; shift 3
   local key have ctx f start
@@ -71,6 +79,13 @@ image() {
       [ "$("$DOCKER" image inspect -f '{{index .Config.Labels "ctj.inputs"}}' "$t" 2>/dev/null)" = "$key" ] || ok=0
     done
     if (( ok )); then return 0; fi
+  fi
+  local not_pulled=""
+  if [ -n "${PUBLISHED:-}" ]; then
+    # shellcheck disable=SC2086  # EXTRA_TAGS is a list of words
+    if [ "$mode" = "--check" ]; then pull_present "$name" ${EXTRA_TAGS:-} && return 0
+    elif pull_image "$name" ${EXTRA_TAGS:-}; then return 0
+    else not_pulled=" (not pulled: $PULL_WHY)"; fi
   fi
   if [ "$mode" = "--check" ]; then stale+=("$name"); return 0; fi
   start=$(date +%s)
@@ -84,7 +99,7 @@ image() {
   for t in ${EXTRA_TAGS:-}; do tags+=(-t "$t"); done
   local old
   old="$("$DOCKER" image inspect -f '{{.Id}}' "$name" 2>/dev/null || true)"
-  log "building $name"
+  log "building $name$not_pulled"
   if ! nice -n "${CTJ_BUILD_NICE:-10}" "$DOCKER" build -q "${tags[@]}" "$ctx" >"$ctx.log" 2>&1; then
     tail -n 30 "$ctx.log" >&2
     log "building $name failed"
@@ -98,10 +113,10 @@ image() {
 
 k="$CTJ_K8S_BIN_DIR"
 for c in kube-apiserver kube-controller-manager kube-scheduler; do
-  image "registry.k8s.io/$c:$K8S_VERSION" "FROM $base
+  PUBLISHED=1 image "registry.k8s.io/$c:$K8S_VERSION" "FROM $base
 COPY --chmod=0755 bin/ /usr/local/bin/" "$base_id" "$k/$c"
 done
-image "registry.k8s.io/etcd:$etcd_tag" "FROM $base
+PUBLISHED=1 image "registry.k8s.io/etcd:$etcd_tag" "FROM $base
 COPY --chmod=0755 bin/ /usr/local/bin/
 RUN mkdir -p /var/lib/etcd" "$base_id" "$CTJ_ETCD_BIN_DIR/etcd"
 
@@ -113,7 +128,7 @@ RUN export DEBIAN_FRONTEND=noninteractive && apt-get update -qq \\
  && apt-get install -y -qq --no-install-recommends iptables nftables conntrack ipset iproute2 kmod \\
  && apt-get clean && rm -rf /var/lib/apt/lists/* /usr/share/doc/* /usr/share/man/*" "$base_id"
 netbase_id="$(id_of "$netbase")"
-image "registry.k8s.io/kube-proxy:$K8S_VERSION" "FROM $netbase
+PUBLISHED=1 image "registry.k8s.io/kube-proxy:$K8S_VERSION" "FROM $netbase
 COPY --chmod=0755 bin/ /usr/local/bin/" "$netbase_id" "$CTJ_K8S_NODE_BIN_DIR/kube-proxy"
 
 # The route agent's tag is the hash of its binary directory (its recipe): the CNI
@@ -124,12 +139,12 @@ image "$routes_tag" "FROM $netbase
 COPY --chmod=0755 bin/ctj-kind-routes /usr/local/bin/
 ENTRYPOINT [\"/usr/local/bin/ctj-kind-routes\"]" "$netbase_id" "$CTJ_KIND_TOOLS_BIN_DIR/ctj-kind-routes"
 
-image "registry.k8s.io/coredns/coredns:$coredns_tag" "FROM scratch
+PUBLISHED=1 image "registry.k8s.io/coredns/coredns:$coredns_tag" "FROM scratch
 COPY --chmod=0755 bin/coredns /coredns
 EXPOSE 53 53/udp
 ENTRYPOINT [\"/coredns\"]" "scratch" "$CTJ_COREDNS_BIN_DIR/coredns"
 
-EXTRA_TAGS="registry.k8s.io/pause:3.10.1" image "registry.k8s.io/pause:3.10" "FROM scratch
+PUBLISHED=1 EXTRA_TAGS="registry.k8s.io/pause:3.10.1" image "registry.k8s.io/pause:3.10" "FROM scratch
 COPY --chmod=0755 bin/pause /pause
 USER 65535:65535
 ENTRYPOINT [\"/pause\"]" "scratch" "$CTJ_KIND_TOOLS_BIN_DIR/pause"
