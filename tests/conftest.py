@@ -18,6 +18,10 @@ from ctj_devcluster.seaweedfs import SeaweedFS, find_weed
 
 from trainer_sidecar.config import default_staging_root
 
+# the scenario both cluster tiers run asserts what ctj promises: pytest explains those
+# asserts as it does a test's own (registered before any test module imports it)
+pytest.register_assert_rewrite("ctj_stack.scenario")
+
 __all__ = ["ROOT", "free_port", "retry_on_bind_conflict", "wait_for_port"]
 """Ports: ``free_port()`` is a port free a moment ago (fine for "nothing listens here");
 to start a server on one, ``retry_on_bind_conflict(launch, ports=n, log=...)`` restarts

@@ -23,12 +23,11 @@ from ctj_devcluster import Cluster
 from ctj_devcluster.ports import retry_on_bind_conflict
 from kubernetes import client
 
-from .stack import ROOT, trainer_log_events
+from .harness import trainer_log_events
+from .stack import ROOT
 
 CRD = ROOT / "crds" / "training.ctj.dev_checkpointedtrainingjobs.yaml"
 EXAMPLE = ROOT / "examples" / "job.yaml"
-
-
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout: float = 120.0) -> Any:

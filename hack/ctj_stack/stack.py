@@ -1,5 +1,6 @@
-"""Installing ctj's stack on a cluster and watching a job: thin adapters over kubectl, helm
-and the Kubernetes API, with every wait a condition and a deadline."""
+"""ctj's stack on a real cluster: installing the chart, the S3 server and Kubeflow's
+controller with our images (thin adapters over kubectl, helm and the Kubernetes API), and
+the cluster harness over it (ctj_stack.harness: reading a job back, stopping a node)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,17 @@ import secrets
 import shlex
 import shutil
 import subprocess
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from ctj_contract import GROUP, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK, PLURAL, VERSION
 from ctj_devcluster.binaries import built_dirs
 from ctj_devcluster.cluster import wait_crd_established
-from ctj_devcluster.processes import wait_until
 from kubernetes import client, config
+
+from .harness import Harness
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ctj"
@@ -31,13 +31,8 @@ KUBEFLOW_MANIFEST = ROOT / "deploy" / "kubeflow" / "training-operator.yaml"
 S3_NAMESPACE = "seaweedfs"
 KUBEFLOW_NAMESPACE = "kubeflow"
 KUBEFLOW_WEBHOOK = "validator.training-operator.kubeflow.org"
-# how the Kubeflow controller labels its pods (backend pytorchjob), and the container name
-# a PyTorchJob requires
-KF_REPLICA_TYPE = "training.kubeflow.org/replica-type"
-KF_TRAINER = "pytorch"
 OPERATOR_NAMESPACE = "ctj-system"
 S3_ENDPOINT = "http://seaweedfs.seaweedfs:8333"  # the example job's, in-cluster
-RESTART_TIMEOUT = 420.0  # node-monitor grace + teardown + scheduling + torch's start
 CONTROL_PLANE_LABEL = "node-role.kubernetes.io/control-plane"
 CONTROL_PLANE_TOLERATION = {
     "key": CONTROL_PLANE_LABEL,
@@ -140,21 +135,9 @@ class S3Credentials:
         return json.dumps({"identities": [identity]})
 
 
-def trainer_log_events(text: str) -> list[dict[str, Any]]:
-    """The JSON event lines of a trainer's log (examples/train_fsdp.py prints one per
-    event); other lines, and a line still being written, are skipped."""
-    events = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                continue
-    return events
-
-
-class Stack:
-    """One cluster: install, apply, read back. ``log`` gets one line per step."""
+class Stack(Harness):
+    """One real cluster: install, apply, read back. ``nodes``: how to stop and start its
+    nodes (None: a scenario that loses a node cannot run here)."""
 
     def __init__(
         self,
@@ -162,15 +145,14 @@ class Stack:
         images: Images,
         tools: Tools | None = None,
         log: Callable[[str], None] = print,
+        nodes: NodeControl | None = None,
     ) -> None:
+        super().__init__(config.new_client_from_config(str(kubeconfig)), log)
         self.kubeconfig = kubeconfig
         self.images = images
         self.tools = tools or Tools.find()
-        self.log = log
-        self.api_client = config.new_client_from_config(str(kubeconfig))
-        self.core = client.CoreV1Api(self.api_client)
+        self.nodes = nodes
         self.apps = client.AppsV1Api(self.api_client)
-        self.custom = client.CustomObjectsApi(self.api_client)
 
     # --- commands -------------------------------------------------------------------
 
@@ -203,10 +185,6 @@ class Stack:
                 f"{proc.stderr.strip()[-2000:]}"
             )
         return proc.stdout
-
-    def apply(self, objects: list[dict[str, Any]], namespace: str | None = None) -> None:
-        args = ["apply", "-f", "-"] + (["-n", namespace] if namespace else [])
-        self.kubectl(*args, stdin=yaml.safe_dump_all(objects))
 
     # --- installing -----------------------------------------------------------------
 
@@ -256,10 +234,6 @@ class Stack:
         self.apply([o for o in objects if o["kind"] != "Namespace"])
         self.kubectl("-n", S3_NAMESPACE, "rollout", "status", "deployment/seaweedfs",
                      "--timeout=180s")  # fmt: skip
-
-    def serves_pytorchjobs(self) -> bool:
-        names = self.kubectl("api-resources", "--api-group=kubeflow.org", "-o", "name")
-        return "pytorchjobs.kubeflow.org" in names.split()
 
     def install_kubeflow(self, control_plane: bool = False) -> None:
         """Kubeflow's PyTorchJob controller as deploy/kubeflow lays it out, with our image
@@ -331,184 +305,34 @@ class Stack:
         trainer["env"] = list(have.values())
         return job
 
-    def apply_job(self, namespace: str, job: dict[str, Any]) -> None:
-        self.log(f"kubectl apply -f examples/job.yaml -n {namespace} "
-                 f"(name {job['metadata']['name']}, backend {job['spec']['backend']})")  # fmt: skip
-        self.apply([job], namespace)
+    # --- the harness: what is this cluster's own ------------------------------------
 
-    # --- reading back ---------------------------------------------------------------
-
-    def job(self, namespace: str, name: str) -> dict[str, Any]:
-        obj = self.custom.get_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, name
-        )
-        assert isinstance(obj, dict)
-        return obj
-
-    def status(self, namespace: str, name: str) -> dict[str, Any]:
-        return dict(self.job(namespace, name).get("status") or {})
-
-    def pods(self, namespace: str, name: str) -> list[Any]:
-        selector = f"{LABEL_JOB}={name}"
-        return list(self.core.list_namespaced_pod(namespace, label_selector=selector).items)
-
-    def attempt_pods(self, namespace: str, name: str, attempt: int) -> list[Any]:
-        return [
-            p
-            for p in self.pods(namespace, name)
-            if p.metadata.labels.get(LABEL_ATTEMPT) == str(attempt)
-        ]
-
-    def running(self, namespace: str, name: str, world: int) -> dict[str, Any] | None:
-        """The status once an attempt runs at ``world`` with all its pods Running."""
-        st = self.status(namespace, name)
-        if st.get("phase") != "Running" or st.get("worldSize") != world:
+    def container_log(self, namespace: str, pod: str, container: str) -> str | None:
+        try:
+            text: str = self.core.read_namespaced_pod_log(pod, namespace, container=container)
+        except client.ApiException:
             return None
-        pods = self.attempt_pods(namespace, name, int(st.get("attempt", -1)))
-        ok = len(pods) == world and all(p.status.phase == "Running" for p in pods)
-        return st if ok else None
+        return text
 
-    def trainer_events(self, namespace: str, pod: str) -> list[dict[str, Any]]:
-        """The JSON lines examples/train_fsdp.py printed (none if the pod has no log yet),
-        from its trainer container (named ``pytorch`` in a PyTorchJob's pods)."""
-        for container in ("trainer", KF_TRAINER):
-            try:
-                text = self.core.read_namespaced_pod_log(pod, namespace, container=container)
-            except client.ApiException:
-                continue
-            return trainer_log_events(text)
-        return []
+    def _node_control(self) -> NodeControl:
+        if self.nodes is None:
+            raise RuntimeError("no way to stop a node here: set CTJ_E2E_NODE_STOP/START")
+        return self.nodes
 
-    def wait_running(self, namespace: str, name: str, world: int, after: int) -> dict[str, Any]:
-        """The status once an attempt later than ``after`` runs at ``world``."""
+    def stop_node(self, node: str) -> None:
+        self._node_control().stop_node(node)
 
-        def later() -> dict[str, Any] | None:
-            st = self.running(namespace, name, world)
-            return st if st and int(st["attempt"]) > after else None
+    def start_node(self, node: str) -> None:
+        self._node_control().start_node(node)
 
-        st: dict[str, Any] = self.wait(
-            later, f"the job to run at world size {world}", RESTART_TIMEOUT,
-            lambda: self.describe(namespace, name),
-        )  # fmt: skip
-        return st
-
-    def restored(
-        self, namespace: str, name: str, attempt: int
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Rank 0's ``restored`` event in ``attempt`` and its first step after it (the
-        example logs from rank 0 only; every rank loads the step rank 0 reports)."""
-
-        def seen() -> tuple[dict[str, Any], dict[str, Any]] | None:
-            pods = [
-                p
-                for p in self.attempt_pods(namespace, name, attempt)
-                if p.metadata.labels.get(LABEL_RANK) == "0"
-                or p.metadata.labels.get(KF_REPLICA_TYPE) == "master"
-            ]
-            if not pods:
-                return None
-            events = self.trainer_events(namespace, pods[0].metadata.name)
-            restored = [e for e in events if e["event"] == "restored"]
-            steps = [e for e in events if e["event"] == "step"]
-            return (restored[0], steps[0]) if restored and steps else None
-
-        found: tuple[dict[str, Any], dict[str, Any]] = self.wait(
-            seen, f"attempt {attempt} to restore and train", 240,
-            lambda: self.describe(namespace, name),
-        )  # fmt: skip
-        return found
-
-    def describe(self, namespace: str, name: str) -> str:
-        """The job's status and where its pods are: what a timeout reports."""
-        lines = [json.dumps(self.status(namespace, name), indent=1)]
-        for pod in self.pods(namespace, name):
-            lines.append(f"{pod.metadata.name} on {pod.spec.node_name}: {pod.status.phase}")
-        return "\n".join(lines)
-
-    def node_of(self, pod: Any) -> str:
-        return str(pod.spec.node_name)
-
-    def victim(self, namespace: str, name: str, attempt: int) -> Any:
-        """The pod of ``attempt`` whose node to stop: the highest node rank on a node that
-        runs neither the operator, the S3 server nor Kubeflow's controller (losing those is
-        another test)."""
-        keep = {
+    def reserved_nodes(self) -> set[str]:
+        """Nodes that run the operator, the S3 server or Kubeflow's controller."""
+        return {
             p.spec.node_name
             for ns in (OPERATOR_NAMESPACE, S3_NAMESPACE, KUBEFLOW_NAMESPACE)
             for p in self.core.list_namespaced_pod(ns).items
         }
-        pods = sorted(self.attempt_pods(namespace, name, attempt), key=lambda p: p.metadata.name)
-        candidates = [p for p in pods if p.spec.node_name not in keep]
-        if not candidates:
-            raise RuntimeError(
-                f"every node of the job also runs the operator or the S3 server: {sorted(keep)}"
-            )
-        return candidates[-1]
 
     def control_plane_nodes(self) -> list[str]:
         nodes = self.core.list_node(label_selector=CONTROL_PLANE_LABEL).items
         return [n.metadata.name for n in nodes]
-
-    def node_back(self, node: str, since: float) -> bool:
-        """The node's kubelet renewed its Lease after ``since`` (a Ready condition can be
-        the one from before the node stopped, until the node-monitor grace period ends)."""
-        try:
-            lease = client.CoordinationV1Api(self.api_client).read_namespaced_lease(
-                node, "kube-node-lease"
-            )
-        except client.ApiException:
-            return False
-        renewed = lease.spec.renew_time
-        return bool(renewed and renewed.timestamp() > since and self.node_ready(node))
-
-    def node_ready(self, node: str) -> bool:
-        try:
-            conditions = self.core.read_node(node).status.conditions or []
-        except client.ApiException:
-            return False
-        return any(c.type == "Ready" and c.status == "True" for c in conditions)
-
-    def wait(
-        self,
-        condition: Callable[[], Any],
-        what: str,
-        timeout: float,
-        diagnostics: Callable[[], str] | None = None,
-    ) -> Any:
-        start = time.monotonic()
-        result = wait_until(
-            condition, timeout=timeout, what=what, interval=1.0, on_timeout=diagnostics
-        )
-        self.log(f"  {what}: {time.monotonic() - start:.0f}s")
-        return result
-
-    def delete_job(self, namespace: str, name: str) -> None:
-        self.kubectl("delete", "ctj", name, "-n", namespace, "--wait=true", "--timeout=120s")
-
-    def children(self, namespace: str, name: str) -> list[str]:
-        """Every object in ``namespace`` the job owns or labels (pods, services, secrets,
-        config maps, PyTorchJobs), as kind/name."""
-        found = []
-        if self.serves_pytorchjobs():
-            listing = self.custom.list_namespaced_custom_object(
-                "kubeflow.org", "v1", namespace, "pytorchjobs",
-                label_selector=f"{LABEL_JOB}={name}",
-            )  # fmt: skip
-            found += [f"pytorchjob/{o['metadata']['name']}" for o in listing["items"]]
-        listings: list[tuple[str, Callable[..., Any]]] = [
-            ("pod", self.core.list_namespaced_pod),
-            ("service", self.core.list_namespaced_service),
-            ("secret", self.core.list_namespaced_secret),
-            ("configmap", self.core.list_namespaced_config_map),
-        ]
-        for kind, list_fn in listings:
-            for obj in list_fn(namespace).items:
-                labels = obj.metadata.labels or {}
-                owners = [
-                    o.name
-                    for o in obj.metadata.owner_references or []
-                    if o.kind == "CheckpointedTrainingJob"
-                ]
-                if labels.get(LABEL_JOB) == name or name in owners:
-                    found.append(f"{kind}/{obj.metadata.name}")
-        return found

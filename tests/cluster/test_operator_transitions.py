@@ -92,12 +92,13 @@ def _node_of_rank(cluster: Cluster, ns: str, name: str, attempt: int, rank: int)
     return node
 
 
-def _assert_planned_handover(
-    cluster: Cluster, ns: str, name: str, world: int
+def assert_planned_handover(
+    cluster: Cluster, ns: str, name: str, world: int, before: int = 1
 ) -> tuple[dict[str, Any], Events]:
-    """Attempt 1 stopped at a step boundary it saved; attempt 2 (at ``world``) restored
-    exactly that step, trains the next one first, and its samples continue exactly."""
-    prev = trainer_events(cluster, ns, f"{name}-a1-0")
+    """Attempt ``before`` stopped at a step boundary it saved; the next (at ``world``)
+    restored exactly that step, trains the next one first, and its samples continue
+    exactly. (test_operator_lifecycle.py checks its scale-up and its resize with it.)"""
+    prev = trainer_events(cluster, ns, f"{name}-a{before}-0")
     prev_steps = _of(prev, "step")
     assert len(prev_steps) >= 2, prev_steps
     last = prev_steps[-1]
@@ -107,9 +108,9 @@ def _assert_planned_handover(
     assert last["step"] in {e["step"] for e in _of(prev, "committed")}, "saved and committed"
     assert not _of(prev, "error"), _of(prev, "error")
 
-    restored, steps = _restored_and_training(cluster, ns, f"{name}-a2-0")
+    restored, steps = _restored_and_training(cluster, ns, f"{name}-a{before + 1}-0")
     lost = last["step"] - restored["step"]
-    assert lost == 0, f"{lost} steps lost: attempt 1 trained {last['step']}, restored {restored}"
+    assert lost == 0, f"{lost} steps lost: attempt {before} trained {last['step']}, {restored}"
     assert restored["world_size"] == world
     assert steps[0]["step"] == restored["step"] + 1, (restored, steps[0])
     assert all(s["world_size"] == world for s in steps)
@@ -308,20 +309,6 @@ def _ready(c: Cluster) -> dict[str, str]:
     }
 
 
-def test_resize_3_to_2_loses_no_step(
-    op_cluster: Cluster, job_namespace: str, new_job: NewJob
-) -> None:
-    ns, name = job_namespace, "resize"
-    new_job(name, env=FAST_TRAINING)
-    _steady(op_cluster, ns, name)
-
-    op_cluster.kubectl("scale", f"ctj/{name}", "--replicas=2", "-n", ns)
-    st = wait_for(lambda: running(op_cluster, ns, name, 2, 2), "attempt 2 at world size 2", 180)
-    assert _restarted(st)["reason"] == "Resize", _restarted(st)
-    assert (st["restarts"], st["nodeRestarts"]) == (0, 0), "a resize is counted nowhere"
-    _assert_planned_handover(op_cluster, ns, name, 2)
-
-
 @pytest.fixture
 def cordoned(op_cluster: Cluster) -> Iterator[list[str]]:
     """Nodes the test cordons, uncordoned afterwards (the next tests want 3)."""
@@ -347,7 +334,7 @@ def test_drain_of_a_node_loses_no_step(
     assert (st["restarts"], st["nodeRestarts"]) == (0, 0), "a drain is counted nowhere"
     new_nodes = {p.spec.node_name for p in job_pods(op_cluster, ns, name) if attempt_of(p) == 2}
     assert node not in new_nodes, "no rank of attempt 2 on the cordoned node"
-    _assert_planned_handover(op_cluster, ns, name, 2)
+    assert_planned_handover(op_cluster, ns, name, 2)
 
 
 @pytest.fixture

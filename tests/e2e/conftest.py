@@ -61,7 +61,8 @@ def stack() -> Stack:
         images = Images.from_env()
     except ValueError as exc:
         pytest.fail(f"e2e tier: {exc}")
-    stack = Stack(Path(kubeconfig), images, log=lambda line: print(f"e2e: {line}", flush=True))
+    stack = Stack(Path(kubeconfig), images, log=lambda line: print(f"e2e: {line}", flush=True),
+                  nodes=NodeControl.from_env())  # fmt: skip
     # first: a broken cluster fails the tier now, with its reason, not after every timeout
     problems = cluster_problems(stack.core, images.trainer, stack.log)
     if problems:
@@ -70,12 +71,12 @@ def stack() -> Stack:
 
 
 @pytest.fixture(scope="session")
-def node_control() -> NodeControl:
-    """How to stop and start a node; the steps that need it skip where none is given."""
-    nodes = NodeControl.from_env()
-    if nodes is None:
+def node_control(stack: Stack) -> NodeControl:
+    """How the stack stops and starts a node; the steps that need it skip where none is
+    given."""
+    if stack.nodes is None:
         pytest.skip("CTJ_E2E_NODE_STOP/START are not set: no way to stop a node here")
-    return nodes
+    return stack.nodes
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from ctj_stack import stack as st
+from ctj_stack.harness import trainer_log_events
 
 IMAGES = {
     "CTJ_OPERATOR_IMAGE": "ctj/operator:abc",
@@ -137,7 +138,7 @@ def test_trainer_log_events_skip_other_lines_and_a_line_being_written() -> None:
         '{"t": 1.1, "event": "step", "step": 21}',
         '{"t": 1.2, "event": "st',
     ])  # fmt: skip
-    assert st.trainer_log_events(text) == [
+    assert trainer_log_events(text) == [
         {"t": 1.0, "event": "restored", "step": 20},
         {"t": 1.1, "event": "step", "step": 21},
     ]

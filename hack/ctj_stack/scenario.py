@@ -1,0 +1,187 @@
+"""One job through what ctj is bought for, written once for any cluster harness: the
+cluster tier runs it on simulated nodes (tests/cluster/test_operator_lifecycle.py), the
+e2e tier on kind (tests/e2e/test_job_lifecycle.py).
+
+The job commits checkpoints; the node under one of its ranks is lost and it restarts at
+world size 2 from its last checkpoint, resharded; the node comes back and the job grows
+to 3; `kubectl scale` resizes it; deleting it removes every child. Each step waits on what
+a user would watch (`kubectl get ctj`, the trainer's log), checks what ctj promises at
+that point, and returns what it saw, for the tier's own checks and for the record.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .harness import Harness
+
+# Long enough never to finish during a scenario; slow enough to read, fast enough to save
+# every few seconds (the example saves every 10 steps).
+TRAINING = {"CTJ_TOTAL_STEPS": "1000000", "CTJ_STEP_DELAY_S": "0.2"}
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return {c["type"]: c for c in status.get("conditions") or []}.get(kind, {})
+
+
+@dataclass
+class NodeLoss:
+    """What the node-loss step saw."""
+
+    node: str
+    victim: str  # the pod on it
+    killed_at: float  # time.time()
+    committed_before: int  # the last committed step `kubectl get ctj` showed
+    status: dict[str, Any]  # the job's once it ran again at 2
+    restored: dict[str, Any]  # rank 0's `restored` event
+    first_step: dict[str, Any]  # and its first step after it
+    staged_loss: float | None  # the eval loss logged when the restored step was saved
+
+    def record(self, backend: str) -> dict[str, Any]:
+        """The numbers docs/e2e.md quotes."""
+        return {
+            "scenario": "node_loss",
+            "backend": backend,
+            "kill_to_first_step_s": round(self.first_step["t"] - self.killed_at, 1),
+            "restored_step": self.restored["step"],
+            "committed_before_kill": self.committed_before,
+            "restore_seconds": self.restored["seconds"],
+            "bytes_by_tier": self.restored.get("bytes_by_tier"),
+            "loss_before": self.staged_loss,
+            "loss_after": self.restored["eval_loss"],
+        }
+
+
+@dataclass
+class Lifecycle:
+    """The steps, in order, on one job ``name`` in ``namespace`` run by ``backend``;
+    ``training``: the trainer's variables; ``spec``: fields that replace the example's
+    (a shorter scale-up window where waiting it out shows nothing)."""
+
+    cluster: Harness
+    namespace: str
+    name: str
+    backend: str = "pods"
+    training: dict[str, str] = field(default_factory=lambda: dict(TRAINING))
+    spec: dict[str, Any] = field(default_factory=dict)
+    attempt: int = 0  # the attempt running after the last step
+    lost_node: str = ""
+
+    def _last_committed(self) -> int:
+        return int((self.cluster.status(self.namespace, self.name).get("lastCheckpoint")
+                    or {}).get("step", 0))  # fmt: skip
+
+    def _resumed(
+        self, world: int, not_before: int
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """Waits for an attempt after the current one to run at ``world`` and restore;
+        checks it restored a step at or after ``not_before`` (the last one reported
+        committed: nothing committed is lost) and trains on from it. Returns the status,
+        the restored event and the first step after it."""
+        c, ns = self.cluster, self.namespace
+        st = c.wait_running(ns, self.name, world, after=self.attempt)
+        restored, first = c.restored(ns, self.name, int(st["attempt"]))
+        assert restored["world_size"] == world, restored
+        assert restored["step"] >= not_before, f"step {not_before} was committed, then lost"
+        assert first["step"] == restored["step"] + 1, "training goes on from the checkpoint"
+        self.attempt = int(st["attempt"])
+        return st, restored, first
+
+    def commits_checkpoints(self) -> dict[str, Any]:
+        """Applies the example job; 3 pods run and 2 checkpoints commit. Its status."""
+        c, ns, name = self.cluster, self.namespace, self.name
+        job = c.example_job(name, self.backend, **self.training)
+        job["spec"].update(self.spec)
+        c.apply_job(ns, job)
+
+        def committed() -> dict[str, Any] | None:
+            st = c.running(ns, name, 3)
+            return st if st and (st.get("lastCheckpoint") or {}).get("step", 0) >= 20 else None
+
+        st: dict[str, Any] = c.wait(committed, "3 pods running, a checkpoint committed", 600,
+                                    lambda: c.describe(ns, name))  # fmt: skip
+        last = st["lastCheckpoint"]
+        assert last["step"] % 10 == 0 and last["bytes"] > 0, last
+        table = c.kubectl("get", "ctj", name, "-n", ns).splitlines()
+        header = table[0].split()
+        row = dict(zip(header, table[1].split(), strict=False))
+        assert "STEP" in header and int(row["STEP"]) >= last["step"], table
+        assert row["PHASE"] == "Running" and row["WORLD"] == "3", table
+        if self.backend == "pytorchjob":  # the controller's pods, owned by our PyTorchJob
+            for pod in c.attempt_pods(ns, name, st["attempt"]):
+                (owner,) = pod.metadata.owner_references
+                assert (owner.kind, owner.name) == ("PyTorchJob", f"{name}-a{st['attempt']}")
+        self.attempt = int(st["attempt"])
+        return st
+
+    def loses_a_node(self) -> NodeLoss:
+        """Stops the node of one rank (not rank 0's where it can); the job restarts at 2,
+        on the nodes left, from a checkpoint at or after the last one reported committed,
+        and the restored model computes the loss the saved one did."""
+        c, ns, name = self.cluster, self.namespace, self.name
+        pods = c.attempt_pods(ns, name, self.attempt)
+        victim = c.victim(ns, name, self.attempt)
+        node = c.node_of(victim)
+        committed_before = self._last_committed()
+        before = {p.metadata.name: c.trainer_events(ns, p.metadata.name) for p in pods}
+        killed_at = time.time()
+        c.log(f"stopping node {node} (it runs {victim.metadata.name})")
+        c.stop_node(node)
+        self.lost_node = node
+
+        st, restored, first = self._resumed(2, committed_before)
+        assert (st["nodeRestarts"], st["restarts"]) == (1, 0), "a lost node is not a crash"
+        reason = condition(st, "Restarted").get("reason")
+        assert reason in ("HeartbeatLost", "NodeNotReady"), st["conditions"]
+        for pod in c.attempt_pods(ns, name, self.attempt):
+            assert c.node_of(pod) != node, f"{pod.metadata.name} is on the lost node"
+        staged = {
+            e["step"]: e["eval_loss"]
+            for events in before.values()
+            for e in events
+            if e["event"] == "staged" and "eval_loss" in e
+        }
+        loss = staged.get(restored["step"])
+        if loss is not None:  # else staged in the instant between the log read and the kill
+            assert math.isclose(restored["eval_loss"], loss, rel_tol=1e-4), (restored, loss)
+        return NodeLoss(node, victim.metadata.name, killed_at, committed_before, st, restored,
+                        first, loss)  # fmt: skip
+
+    def node_returns(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Starts the lost node again; the job grows back to 3 (planned: not a failure).
+        The status and the restored event."""
+        c, ns, node = self.cluster, self.namespace, self.lost_node
+        started = time.time()
+        c.start_node(node)
+        c.wait(lambda: c.node_back(node, started), f"node {node}'s kubelet back", 300)
+        st, restored, _ = self._resumed(3, self._last_committed())
+        assert (st["nodeRestarts"], st["restarts"]) == (1, 0), "growing is not a failure"
+        assert condition(st, "Restarted").get("reason") == "ScaleUp", st["conditions"]
+        assert "ScaleUp" in {e.reason for e in c.events(ns, self.name)}
+        return st, restored
+
+    def resized(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`kubectl scale` to the other size (2 or 3); the job restarts at it from its
+        last checkpoint, as a Resize, not a failure. The status and the restored event."""
+        c, ns = self.cluster, self.namespace
+        world = 2 if c.status(ns, self.name)["worldSize"] == 3 else 3
+        restarts = int(c.status(ns, self.name).get("restarts", 0))
+        committed = self._last_committed()
+        c.scale(ns, self.name, world)
+        st, restored, _ = self._resumed(world, committed)
+        assert st["restarts"] == restarts, "a resize is not a failure"
+        assert condition(st, "Restarted").get("reason") == "Resize", st["conditions"]
+        assert "Resize" in {e.reason for e in c.events(ns, self.name)}
+        return st, restored
+
+    def deleted(self) -> None:
+        """Deleting the job removes every child (the garbage collector follows the
+        ownerReferences) and nothing brings one back."""
+        c, ns = self.cluster, self.namespace
+        assert c.children(ns, self.name), "the job has no children to remove"
+        c.delete_job(ns, self.name)
+        c.wait(lambda: not c.children(ns, self.name), "every child of the job to go", 180,
+               lambda: "\n".join(c.children(ns, self.name)))  # fmt: skip

@@ -1,0 +1,46 @@
+"""The cluster harness (ctj_stack.harness) on the simulated cluster of the cluster tier:
+ctj_devcluster's API server and node agents, the operator run as a process beside it
+(ctj_stack.jobs.OperatorProcess), the S3 server on loopback. The pods run on this
+machine, so a job's trainer runs examples/ from the checkout (ctj_stack.jobs.job_manifest)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ctj_devcluster import Cluster
+
+from .harness import Harness
+from .jobs import job_manifest
+
+
+class SimulatedStack(Harness):
+    """``cluster`` with the CRD installed and an operator watching it; jobs checkpoint to
+    ``s3_uri`` at ``endpoint``."""
+
+    poll_interval = 0.2  # everything is on this machine: waits can look often
+
+    def __init__(
+        self, cluster: Cluster, s3_uri: str, endpoint: str, log: Callable[[str], None] = print
+    ) -> None:
+        super().__init__(cluster.api_client(), log)
+        self.cluster = cluster
+        self.s3_uri, self.endpoint = s3_uri, endpoint
+
+    def kubectl(self, *args: str, stdin: str | None = None) -> str:
+        return self.cluster.kubectl(*args, input=stdin, timeout=180).stdout
+
+    def example_job(self, name: str = "demo", backend: str = "pods", **env: str) -> dict[str, Any]:
+        return job_manifest(name, self.s3_uri, self.endpoint, env=env, backend=backend)
+
+    def container_log(self, namespace: str, pod: str, container: str) -> str | None:
+        try:
+            return self.cluster.container_log(namespace, pod, container)
+        except FileNotFoundError:
+            return None
+
+    def stop_node(self, node: str) -> None:
+        self.cluster.kill_node(node)
+
+    def start_node(self, node: str) -> None:
+        self.cluster.restart_node(node)

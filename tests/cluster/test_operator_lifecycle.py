@@ -1,0 +1,88 @@
+"""One job through a node loss, its return, a resize and a delete, on simulated nodes:
+the scenario the e2e tier runs on kind (ctj_stack.scenario.Lifecycle), plus what only
+this tier can see (the operator's own /metrics, the logs of pods already gone, the node
+caches' share of a restore).
+
+It replaced five tests that each ran a job of their own (a job that checkpoints, node
+loss and return, `kubectl scale`, a 3 -> 2 resize that loses no step, deletion): one job
+now goes through all of it here, and the same steps run on kind.
+"""
+
+from __future__ import annotations
+
+import pytest
+from ctj_devcluster import Cluster
+from ctj_stack.jobs import OperatorProcess, attempt_of, metric_value
+from ctj_stack.scenario import Lifecycle
+from ctj_stack.simulated import SimulatedStack
+
+from tests.cluster.test_operator_transitions import assert_planned_handover
+
+pytestmark = pytest.mark.cluster
+
+# a checkpoint every 10 steps, one a second; no end within the test
+TRAINING = {"CTJ_TOTAL_STEPS": "1000000", "CTJ_STEP_DELAY_S": "0.1"}
+
+
+def test_one_job_through_a_node_loss_its_return_a_resize_and_a_delete(
+    op_cluster: Cluster,
+    operator: OperatorProcess,
+    job_namespace: str,
+    s3_uri: str,
+    s3_env: dict[str, str],
+) -> None:
+    ns, name = job_namespace, "elastic"
+    sim = SimulatedStack(op_cluster, s3_uri, s3_env["AWS_ENDPOINT_URL"])
+    # a 3 s scale-up window (the example's 30 s would only be waited out)
+    scenario = Lifecycle(sim, ns, name, training=TRAINING,
+                         spec={"scaleUp": {"stabilizationSeconds": 3}})  # fmt: skip
+
+    scenario.commits_checkpoints()
+    pods = sim.attempt_pods(ns, name, 1)
+    assert sorted(p.metadata.name for p in pods) == [f"{name}-a1-{r}" for r in range(3)]
+    assert all(p.metadata.owner_references[0].controller for p in pods)
+    service = sim.core.read_namespaced_service(name, ns)
+    assert service.metadata.owner_references[0].name == name
+
+    loss = scenario.loses_a_node()
+    # resharded 3 -> 2 from a checkpoint attempt 1 staged (the periodic ones: every 10)
+    staged_in_1 = {e["step"] for e in sim.trainer_events(ns, f"{name}-a1-0")
+                   if e["event"] == "staged"}  # fmt: skip
+    assert loss.restored["step"] in staged_in_1 and loss.restored["step"] % 10 == 0
+    # the survivors' node caches served what they hold; only the rest came from S3
+    tiers = loss.restored["bytes_by_tier"]
+    assert tiers.get("local", 0) > 0 and tiers.get("s3", 0) < loss.restored["bytes_fetched"]
+    recoveries = sim.wait(
+        lambda: metric_value(operator.metrics(), "ctj_job_recovery_seconds_count"),
+        "a recovery observation in the operator's /metrics",
+        15,
+    )
+    assert recoveries >= 1
+
+    # a commit at world 2, so that growing back shows a planned transition's own save
+    attempt_2 = f"{name}-a{scenario.attempt}-0"
+    sim.wait(
+        lambda: any(e["event"] == "committed" for e in sim.trainer_events(ns, attempt_2)),
+        "a commit at world size 2",
+        60,
+    )
+    scenario.node_returns()
+    # growing is planned: attempt 2 saved the step it stopped at; attempt 3 restored
+    # exactly it, and its samples continue exactly
+    assert_planned_handover(op_cluster, ns, name, 3, before=2)
+    planned = metric_value(
+        operator.metrics(), "ctj_job_restarts_total", reason="ScaleUp", cause="planned"
+    )
+    assert planned == 1
+    sim.wait(
+        lambda: all(attempt_of(p) == scenario.attempt for p in sim.pods(ns, name)),
+        "no pod of an older attempt left",
+        30,
+    )
+
+    scenario.resized()  # 3 -> 2, planned too
+    assert_planned_handover(op_cluster, ns, name, 2, before=3)
+    wide = sim.kubectl("get", f"ctj/{name}", "-n", ns, "-o", "wide").splitlines()
+    assert "Running" in wide[1]
+
+    scenario.deleted()
