@@ -24,6 +24,9 @@ pytestmark = pytest.mark.integration
 ALLOWED_LABELS = {"__name__", "job", "instance", "namespace", "pod", "stage", "kind", "tier", "le"}
 
 
+FOR_S = 10
+
+
 def firing(prom: Prometheus) -> dict[str, dict[str, str]]:
     return {a["labels"]["alertname"]: a["labels"] for a in prom.alerts() if a["state"] == "firing"}
 
@@ -39,7 +42,14 @@ def test_prometheus_scrapes_a_sidecar_and_the_stale_checkpoint_alert_fires(
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)  # the sidecar's S3, and ours
     staging = tmp_path / "staging"
     sidecar = Sidecar(s3_uri, staging, tmp_path / "sidecar.log")
-    config = PrometheusConfig(tmp_path / "prometheus", jobs=("ctj-sidecars",), rule_files=[RULES])
+    # The shipped rules, CtjCheckpointStale's `for: 1m` cut to FOR_S: that the alert waits
+    # its `for` is promtool's to check, to the second (tests/unit/test_alert_rules.py);
+    # here its expression meets a real sidecar's series, and a minute would only be waited.
+    rules = tmp_path / RULES.name
+    shipped = RULES.read_text()
+    assert shipped.count("        for: 1m\n") == 1, "CtjCheckpointStale's `for` moved"
+    rules.write_text(shipped.replace("        for: 1m\n", f"        for: {FOR_S}s\n"))
+    config = PrometheusConfig(tmp_path / "prometheus", jobs=("ctj-sidecars",), rule_files=[rules])
     with Prometheus(config) as prom, sidecar:
         labels = {"namespace": "ml", "pod": "demo-a1-0"}
         prom.set_targets("ctj-sidecars", [Target(f"127.0.0.1:{sidecar.port}", labels)])
@@ -77,10 +87,10 @@ def test_prometheus_scrapes_a_sidecar_and_the_stale_checkpoint_alert_fires(
         wait_until(
             lambda: {"CtjCheckpointStale", "CtjCheckpointFailing"} <= firing(prom).keys(),
             "the stale-checkpoint and failure alerts to fire",
-            180,  # 3 intervals (seconds here), then the rule's `for: 1m`
+            120,  # 3 intervals (seconds here), then the rule's `for`
         )
         alerts = firing(prom)
         assert alerts["CtjCheckpointStale"]["pod"] == "demo-a1-0"
         assert alerts["CtjCheckpointFailing"]["stage"] == "upload"
-        assert time.monotonic() - blocked >= 60, "CtjCheckpointStale fired before its `for`"
+        assert time.monotonic() - blocked >= FOR_S, "CtjCheckpointStale fired before its `for`"
         ckpt.close(wait_for_commit=False)
