@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import tempfile
 import uuid
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +18,30 @@ from ctj_devcluster.ports import free_port, retry_on_bind_conflict
 from ctj_devcluster.seaweedfs import SeaweedFS, find_weed
 
 from trainer_sidecar.config import default_staging_root
+
+# Where the test command's time goes, tier by tier (tests/<tier>/...), printed at the end
+# of every run: setup, call and teardown of every test, so fixtures count where they run.
+_tier_seconds: defaultdict[str, float] = defaultdict(float)
+_tier_tests: Counter[str] = Counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    parts = report.nodeid.split("/")
+    tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
+    _tier_seconds[tier] += report.duration
+    _tier_tests[tier] += report.when == "call"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _tier_seconds:
+        return
+    terminalreporter.section("time per tier")
+    for tier, seconds in sorted(_tier_seconds.items(), key=lambda kv: -kv[1]):
+        minutes, rest = divmod(round(seconds), 60)
+        terminalreporter.write_line(
+            f"{tier:<12} {minutes:3d} min {rest:02d} s  ({_tier_tests[tier]} tests)"
+        )
+
 
 # the scenario both cluster tiers run asserts what ctj promises: pytest explains those
 # asserts as it does a test's own (registered before any test module imports it)
