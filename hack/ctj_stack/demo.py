@@ -56,7 +56,9 @@ def run(stack: Stack, keep: bool) -> None:
     r, first = loss.restored, loss.first_step
     timeline(f"node {loss.node} stopped (it ran {loss.victim}); last commit: step "
              f"{loss.committed_before}", loss.killed_at)  # fmt: skip
-    timeline(f"operator restarted the job: attempt {loss.status['attempt']}, world size 2")
+    started = loss.status.get("attemptStarted")  # when the operator made the attempt
+    timeline(f"operator restarted the job: attempt {loss.status['attempt']}, world size 2",
+             float(started) if started else None)  # fmt: skip
     timeline(f"restored step {r['step']} resharded 3 -> 2 in {r['seconds']:.2f}s "
              f"({r['bytes_fetched'] / 1e6:.1f} MB; by tier {r.get('bytes_by_tier')})",
              r["t"])  # fmt: skip
