@@ -37,6 +37,8 @@
 # sum differs, or has none, is refused: nothing is installed, and the build runs instead.
 
 DL_WHY=""
+# shellcheck source=hack/registry/probe.sh
+source "$(dirname "${BASH_SOURCE[0]}")/probe.sh"
 declare -gA _dl_probed=()   # base URL -> "yes", or why not
 
 dl_log() { printf 'download: %s\n' "$*" >&2; }
@@ -76,21 +78,10 @@ dl_arch() {
 
 # dl_reachable BASE: whether BASE answers HTTP at all (probed once; why not in DL_WHY)
 dl_reachable() {
-  local base="$1" code rc=0 why t="${CTJ_DL_PROBE_TIMEOUT:-${CTJ_PULL_PROBE_TIMEOUT:-3}}"
+  local base="$1" why t="${CTJ_DL_PROBE_TIMEOUT:-${CTJ_PULL_PROBE_TIMEOUT:-3}}"
   if [ -z "${_dl_probed[$base]:-}" ]; then
-    code="$(curl -s -I -o /dev/null -w '%{http_code}' --connect-timeout "$t" --max-time "$t" \
-            "$base/" 2>/dev/null)" || rc=$?
-    if [ -n "$code" ] && [ "$code" != 000 ]; then
-      _dl_probed[$base]=yes
-    else
-      case "$rc" in
-        6) why="cannot resolve the host of $base" ;;
-        7) why="$base refused the connection" ;;
-        28) why="$base did not answer within ${t}s" ;;
-        *) why="$base did not answer (curl exit $rc)" ;;
-      esac
-      _dl_probed[$base]="$why"
-    fi
+    if why="$(http_probe "$base" "$base/" "$t" -I)"; then why=yes; fi
+    _dl_probed[$base]="$why"
   fi
   [ "${_dl_probed[$base]}" = yes ] && return 0
   DL_WHY="${_dl_probed[$base]}"

@@ -26,6 +26,8 @@
 # ctj.inputs; a NAME present without it came from a registry and is kept (unless
 # CTJ_PULL=never: then it is rebuilt, as on a machine that never pulled).
 
+# shellcheck source=hack/registry/probe.sh
+source "$(dirname "${BASH_SOURCE[0]}")/probe.sh"
 PULL_WHY=""
 declare -gA _pull_probed=()   # host -> "yes", or why not
 
@@ -48,25 +50,14 @@ pull_source() {
 
 # pull_reachable HOST: whether HOST's registry API answers (probed once; why not in PULL_WHY)
 pull_reachable() {
-  local host="$1" api="$1" scheme code rc why t="${CTJ_PULL_PROBE_TIMEOUT:-3}"
+  local host="$1" api="$1" scheme why t="${CTJ_PULL_PROBE_TIMEOUT:-3}"
   if [ -z "${_pull_probed[$host]:-}" ]; then
     [ "$host" != docker.io ] || api="registry-1.docker.io"   # Docker Hub's API host
     # https first; plain http is what Docker uses for a registry on loopback
     for scheme in https http; do
-      rc=0
-      code="$(curl -s -o /dev/null -w '%{http_code}' --connect-timeout "$t" --max-time "$t" \
-              "$scheme://$api/v2/" 2>/dev/null)" || rc=$?
-      if [ -n "$code" ] && [ "$code" != 000 ]; then _pull_probed[$host]=yes; break; fi
+      if why="$(http_probe "$api" "$scheme://$api/v2/" "$t")"; then why=yes; break; fi
     done
-    if [ -z "${_pull_probed[$host]:-}" ]; then
-      case "$rc" in   # curl's exit status, of the last (http) try
-        6) why="cannot resolve $api" ;;
-        7) why="$api refused the connection" ;;
-        28) why="$api did not answer within ${t}s" ;;
-        *) why="$api/v2/ did not answer (curl exit $rc)" ;;
-      esac
-      _pull_probed[$host]="$why"
-    fi
+    _pull_probed[$host]="$why"   # yes, or why the last (http) try failed
   fi
   [ "${_pull_probed[$host]}" = yes ] && return 0
   PULL_WHY="${_pull_probed[$host]}"
