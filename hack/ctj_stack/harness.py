@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+import yaml
 from ctj_contract import GROUP, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK, PLURAL, VERSION
 from ctj_devcluster.processes import wait_until
 from kubernetes import client
@@ -87,8 +88,6 @@ class Harness(ABC):
     # --- jobs -----------------------------------------------------------------------
 
     def apply(self, objects: list[dict[str, Any]], namespace: str | None = None) -> None:
-        import yaml
-
         args = ["apply", "-f", "-"] + (["-n", namespace] if namespace else [])
         self.kubectl(*args, stdin=yaml.safe_dump_all(objects))
 
