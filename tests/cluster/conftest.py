@@ -1,4 +1,4 @@
-"""Fixtures for the cluster tier: one real control plane with simulated nodes per session.
+"""Fixtures for the cluster tier: one real control plane with simulated nodes for the tier.
 
 The launcher lives in hack/ctj_devcluster (not an installed package yet: we put hack/ on
 sys.path). Tests skip, with the reason, when the binaries are not built: run
@@ -39,7 +39,9 @@ def cluster_binaries() -> Binaries:
         pytest.skip(str(exc))
 
 
-@pytest.fixture(scope="session")
+# package scope: stopped when the cluster tier's last test ends, not at the end of the
+# session, so that an idle control plane does not share the cores with the other tiers
+@pytest.fixture(scope="package")
 def cluster(
     cluster_binaries: Binaries,
     tmp_path_factory: pytest.TempPathFactory,

@@ -122,17 +122,24 @@ def test_trainer_killed_right_after_save_returns_still_commits(
         "config": {"sidecar": True, "staging_dir": str(staging)},
     }
     procs = spawn_ranks(2, "tests.integration.workers:save_and_freeze", args)
-    wait_until(
-        lambda: all(Path(f"{args['marker']}.{r}").exists() for r in (0, 1)), "both ranks to stage"
-    )
+
+    def staged() -> bool:
+        for rank, p in enumerate(procs):  # a rank that ended early fails now, with its output
+            assert p.poll() is None, f"rank {rank} exited {p.returncode}:\n{p.communicate()[0]}"
+        return all(Path(f"{args['marker']}.{r}").exists() for r in (0, 1))
+
+    wait_until(staged, "both ranks to stage")
     for p in procs:
         p.send_signal(signal.SIGKILL)
     for p in procs:
         p.wait(30)
-    wait_until(
-        lambda: repo.committed_steps(Checkpointer(CheckpointConfig(uri=s3_uri)).store) == [4],
-        "the sidecar to commit step 4",
-    )
+    try:
+        wait_until(
+            lambda: repo.committed_steps(Checkpointer(CheckpointConfig(uri=s3_uri)).store) == [4],
+            "the sidecar to commit step 4",
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the sidecar's log:\n{sidecars[0].text()[-3000:]}") from None
     args["config"] = {}
     run_ranks(3, "tests.integration.workers:load_and_compare", args)
 
