@@ -141,9 +141,10 @@ def run_ranks(
     return outputs
 
 
-def _rank_main(env: dict[str, str], log: str, target: str, args: dict[str, Any]) -> None:
-    """A forked rank: its environment and output, then ``target(args)`` in the group."""
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+def become_rank(env: dict[str, str], log: str) -> None:
+    """In a process just forked from FORK: make it what a fresh rank process would be,
+    with ``env`` as its whole environment and its output (stdout, stderr) in ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -155,7 +156,12 @@ def _rank_main(env: dict[str, str], log: str, target: str, args: dict[str, Any])
     # a rank that aborts (SIGABRT: "terminate called ...") prints every thread's Python
     # stack: which thread was still running
     faulthandler.enable(all_threads=True)
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # OMP_NUM_THREADS=1 was read when torch was imported
+
+
+def _rank_main(env: dict[str, str], log: str, target: str, args: dict[str, Any]) -> None:
+    """A forked rank: its environment and output, then ``target(args)`` in the group."""
+    become_rank(env, log)
     module, _, name = target.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
