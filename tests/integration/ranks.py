@@ -1,100 +1,26 @@
 """Run a function on N real processes joined by torch.distributed (gloo, CPU).
 
-Each rank is a process of its own with the environment torchrun would give it; the
-target runs after init_process_group. A rank's assertion error fails the test with that
-rank's output.
-
-The ranks are forked from a forkserver that has imported torch, DCP, FSDP and the
-engine once per test session (``FORK``; the chaos test's ranks use it too): a rank
-costs a fork instead of ~4 CPU-seconds of imports, which on 2 cores was about a fifth
-of the integration tier. What a rank runs is what a fresh ``python`` would run: its own
-environment (replaced, not merged), output, process group and exit (rank_exit).
+Each rank is a fresh ``python -m tests.integration.ranks`` process with the
+environment torchrun would give it; the target runs after init_process_group.
+A rank's assertion error fails the test with that rank's output.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import importlib
 import json
-import multiprocessing
 import os
-import signal
 import subprocess
 import sys
-import tempfile
-import traceback
-from multiprocessing.process import BaseProcess
 from typing import Any
 
-# what every rank imports, imported once, in the forkserver (FSDP2 imports torch._dynamo:
-# ~2 s of the ~4)
-import torch
-import torch._dynamo  # noqa: F401
-import torch.distributed as dist
-import torch.distributed.checkpoint.state_dict  # noqa: F401
-import torch.distributed.fsdp  # noqa: F401
-
-import trainer_sidecar.checkpointer  # noqa: F401
-import trainer_sidecar.load.restore  # noqa: F401
 from tests.conftest import ROOT, free_port
 from trainer_sidecar.rank_exit import exit_rank
-
-FORK = multiprocessing.get_context("forkserver")
-FORK.set_forkserver_preload(
-    ["tests.integration.ranks", "tests.integration.workers", "tests.integration.chaos_worker"]
-)
-
-
-class RankProcess:
-    """A forked rank, with the part of ``subprocess.Popen``'s interface the tests use;
-    its output (stdout and stderr) goes to a file, read back by ``communicate``."""
-
-    def __init__(self, env: dict[str, str], target: str, args: dict[str, Any]) -> None:
-        fd, self._log = tempfile.mkstemp(prefix="ctj-rank-", suffix=".log")
-        os.close(fd)
-        self._proc: BaseProcess = FORK.Process(
-            target=_rank_main, args=(env, self._log, target, args), daemon=True
-        )
-        self._proc.start()
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        """As Popen's: the exit status, or minus the signal that ended it."""
-        return self._proc.exitcode
-
-    def poll(self) -> int | None:
-        return self._proc.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._proc.join(timeout)
-        if self._proc.exitcode is None:
-            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0)
-        return self._proc.exitcode
-
-    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
-        """Wait for the rank to end; its whole output (the log is then removed)."""
-        self.wait(timeout)
-        try:
-            with open(self._log, errors="replace") as f:
-                return f.read(), None
-        finally:
-            os.unlink(self._log)
-
-    def send_signal(self, sig: int) -> None:
-        if self._proc.exitcode is None and self._proc.pid is not None:
-            os.kill(self._proc.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def spawn_ranks(
     world_size: int, target: str, args: dict[str, Any], *, env: dict[str, str] | None = None
-) -> list[RankProcess]:
+) -> list[subprocess.Popen[str]]:
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -107,8 +33,20 @@ def spawn_ranks(
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
             PYTHONPATH=ROOT,
+            # a rank that aborts (SIGABRT: "terminate called ...") prints every thread's
+            # Python stack: which thread was still running
+            PYTHONFAULTHANDLER="1",
         )
-        procs.append(RankProcess(rank_env, target, args))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.integration.ranks", target, json.dumps(args)],
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=ROOT,
+            )
+        )
     return procs
 
 
@@ -141,45 +79,9 @@ def run_ranks(
     return outputs
 
 
-def become_rank(env: dict[str, str], log: str) -> None:
-    """In a process just forked from FORK: make it what a fresh rank process would be,
-    with ``env`` as its whole environment and its output (stdout, stderr) in ``log``."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(ROOT)
-    # a rank that aborts (SIGABRT: "terminate called ...") prints every thread's Python
-    # stack: which thread was still running
-    faulthandler.enable(all_threads=True)
-    torch.set_num_threads(1)  # OMP_NUM_THREADS=1 was read when torch was imported
-
-
-def _rank_main(env: dict[str, str], log: str, target: str, args: dict[str, Any]) -> None:
-    """A forked rank: its environment and output, then ``target(args)`` in the group."""
-    become_rank(env, log)
-    module, _, name = target.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-        dist.init_process_group("gloo")
-        fn(args)
-    except BaseException:
-        traceback.print_exc()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.stderr.flush()
-        os._exit(1)
-    exit_rank(0)  # as a trainer ends (trainer_sidecar/rank_exit.py: why)
-
-
 def _main() -> None:
-    """``python -m tests.integration.ranks module:function '<json>'``: the target in this
-    process (a test that signals or kills its rank from outside starts one so), in a
-    group when WORLD_SIZE is set."""
+    import torch.distributed as dist
+
     target, raw = sys.argv[1], sys.argv[2]
     module, _, name = target.partition(":")
     fn = getattr(importlib.import_module(module), name)
@@ -192,7 +94,7 @@ def _main() -> None:
     except BaseException:
         dist.destroy_process_group()
         raise
-    exit_rank(0)
+    exit_rank(0)  # as a trainer ends (trainer_sidecar/rank_exit.py: why)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import atexit
 import contextlib
 import dataclasses
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -58,7 +59,6 @@ import torch
 
 from tests.conftest import ROOT, free_port
 from tests.integration import chaos_worker as cw
-from tests.integration.ranks import FORK
 from trainer_sidecar import CheckpointConfig, Checkpointer
 from trainer_sidecar import cli as ctj_cli
 from trainer_sidecar.errors import ObjectNotFound
@@ -84,7 +84,8 @@ pytestmark = [
 # save is a dozen or more chunks, so its upload spans a while and overlaps the others'
 CHUNK_SIZE = 65536
 
-_FORK = FORK  # the integration tier's one forkserver (ranks.py), chaos_worker preloaded
+_FORK = multiprocessing.get_context("forkserver")
+_FORK.set_forkserver_preload(["tests.integration.chaos_worker"])
 
 
 class ChaosFailure(AssertionError):
