@@ -3,6 +3,11 @@
 Writes go to a temporary name and are published atomically: ``os.replace`` for
 plain puts, ``os.link`` for create-only puts (link fails if the name exists, so
 two committers can never both win). A reader therefore never sees half an object.
+
+Durable when a call returns (a commit reported on ``file://`` survives a power cut): the
+file's data is synced before its name is published, then the directory holding the name,
+and the parent of every directory a call created (``_sync_dir``); a delete syncs the
+directories it changed.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ class LocalStore:
         self.root = Path(root)
         if create:
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
+                _make_dirs(self.root)
             except OSError as exc:
                 raise CheckpointError(
                     f"cannot create checkpoint directory {self.root}: {exc.strerror}; "
@@ -43,7 +48,7 @@ class LocalStore:
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _make_dirs(path.parent)
         tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
         with open(tmp, "wb") as f:
             f.write(data)
@@ -58,6 +63,7 @@ class LocalStore:
             else:
                 os.replace(tmp, path)
                 tmp = None  # type: ignore[assignment]
+            _sync_dir(path.parent)  # the new name: durable before the put returns
         finally:
             if tmp is not None:
                 tmp.unlink(missing_ok=True)
@@ -95,5 +101,37 @@ class LocalStore:
         yield from sorted(found, key=lambda o: o.key)  # S3's order: by key
 
     def delete(self, keys: Iterable[str]) -> None:
+        changed: dict[Path, None] = {}  # the directories whose entries went, in order
         for key in keys:
-            self._path(key).unlink(missing_ok=True)
+            path = self._path(key)
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            changed[path.parent] = None
+        for directory in changed:  # a retired manifest must not come back after a crash
+            _sync_dir(directory)
+
+
+def _sync_dir(path: Path) -> None:
+    """fsync a directory: its entries (a new, renamed or removed name) reach the disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(path: Path) -> None:
+    """``mkdir -p``, each directory it creates made durable: its parent's entry synced."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:  # made meanwhile by another writer (synced here all the same)
+            if not directory.is_dir():
+                raise
+        _sync_dir(directory.parent)
