@@ -78,6 +78,32 @@ def test_plan_retention(manifests: list[tuple[int, int]], keep: int, doomed: lis
     assert plan_retention(summaries, keep) == doomed
 
 
+@pytest.mark.parametrize(
+    ("committed", "keep", "doomed"),
+    [
+        # a new run at step 10 into a location holding 500..502 (committed earlier):
+        # its own commits are the newest, and stay
+        ([(500, 500, 1.0), (501, 501, 2.0), (502, 502, 3.0), (10, 10, 4.0)], 3, [500]),
+        (
+            [(500, 500, 1.0), (501, 501, 2.0), (502, 502, 3.0), (10, 10, 4.0), (11, 11, 5.0)],
+            2,
+            [500, 501, 502],
+        ),
+        # a kept delta's base stays, however old
+        ([(500, 500, 1.0), (10, 10, 2.0), (11, 10, 3.0), (12, 10, 4.0)], 2, [500]),
+        ([(500, 500, 1.0), (10, 500, 2.0), (11, 500, 3.0)], 1, [10]),
+        # the same time: by step
+        ([(3, 3, 1.0), (1, 1, 1.0), (2, 2, 1.0)], 2, [1]),
+    ],
+)
+def test_plan_retention_keeps_the_last_commits_by_commit_time(
+    committed: list[tuple[int, int, float]], keep: int, doomed: list[int]
+) -> None:
+    summaries = [Committed(s, b, since_full=0) for s, b, _ in committed]
+    times = {s: t for s, _, t in committed}
+    assert plan_retention(summaries, keep, committed_at=times) == doomed
+
+
 def test_plan_gc_spares_referenced_and_young_objects() -> None:
     objects = [
         ObjectInfo("chunks/aa/old-orphan", 1, 0.0),

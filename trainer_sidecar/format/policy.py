@@ -7,7 +7,7 @@ are table-tested in tests/unit/test_policy.py.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from .manifest import Manifest, Mode, SaveIdentity
@@ -90,14 +90,27 @@ def reference_ranks(rank: int, world_size: int, reference_world_size: int) -> ra
     return range(min(low, reference_world_size - 1), min(max(high, low + 1), reference_world_size))
 
 
-def plan_retention(manifests: Sequence[Committed], keep_last: int) -> list[int]:
-    """Steps to delete so the last ``keep_last`` remain, with every base a kept one names."""
+def plan_retention(
+    manifests: Sequence[Committed],
+    keep_last: int,
+    *,
+    committed_at: Mapping[int, float] | None = None,
+) -> list[int]:
+    """Steps to delete so the last ``keep_last`` commits remain, with every base a kept one
+    names; in step order.
+
+    "Last" is by commit time (``committed_at``: step -> when it was committed; the same
+    time, or none given, goes by step), never by step alone: a run that starts below the
+    steps a location holds (a new run at step 10 beside 500..502) must not have the commits
+    it just reported retired as the oldest.
+    """
     if keep_last <= 0:
         return []
-    ordered = sorted(manifests, key=lambda m: m.step)
-    kept = ordered[-keep_last:]
+    times = committed_at or {}
+    by_time = sorted(manifests, key=lambda m: (times.get(m.step, float("-inf")), m.step))
+    kept = by_time[-keep_last:]
     keep = {m.step for m in kept} | {m.base_step for m in kept}
-    return [m.step for m in ordered if m.step not in keep]
+    return sorted(m.step for m in manifests if m.step not in keep)
 
 
 def plan_gc(
