@@ -5,6 +5,10 @@
 A user mistake (bad URI, missing bucket, wrong credentials, unknown step)
 prints one line, ``ctj: error: ...``, and exits 2; a corrupt checkpoint found
 by ``verify`` exits 1. Long work shows a progress bar on a terminal.
+
+One bad checkpoint never hides the others: a manifest that cannot be read is a row
+``step N: unreadable: <reason>`` in ``ls``, ``show`` and ``verify``, which go on with
+the rest (``verify`` then exits 1, ``show --step N`` of that one too).
 """
 
 from __future__ import annotations
@@ -61,15 +65,42 @@ def _store(args: argparse.Namespace) -> ObjectStore:
 def _manifest(store: ObjectStore, step: int | None) -> Manifest:
     if step is not None:
         return repo.read_manifest(store, step)
-    latest = repo.latest_manifest(store)
+    latest = _newest_readable(store)
     if latest is None:
         raise NoCheckpointError("no committed checkpoint at this location")
     return latest
 
 
+def _newest_readable(store: ObjectStore) -> Manifest | None:
+    """The newest checkpoint whose manifest reads (what a load starts from); each newer one
+    that does not is named on stderr."""
+    for step in reversed(repo.committed_steps(store)):
+        read = _read(store, step)
+        if isinstance(read, Manifest):
+            return read
+        if read is not None:
+            print(f"step {step}: unreadable: {read.reason}", file=sys.stderr)
+    return None
+
+
+def _read(store: ObjectStore, step: int) -> Manifest | repo.UnreadableManifest | None:
+    """One listed checkpoint's manifest; why it cannot be read; or None when it went
+    since the listing (retention or ``rm`` retired it)."""
+    try:
+        return repo.read_manifest(store, step)
+    except repo.UnreadableManifest as exc:
+        return exc
+    except NoCheckpointError:
+        return None
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     store = _store(args)
-    rows = [repo.read_manifest(store, s) for s in repo.committed_steps(store)]
+    rows: list[tuple[int, Manifest | repo.UnreadableManifest]] = []
+    for step in repo.committed_steps(store):
+        read = _read(store, step)
+        if read is not None:
+            rows.append((step, read))
     if args.json:
         print(
             json.dumps(
@@ -83,7 +114,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         "uploaded_bytes": m.uploaded_bytes,
                         "created": m.created,
                     }
-                    for m in rows
+                    if isinstance(m, Manifest)
+                    else {"step": s, "unreadable": m.reason}
+                    for s, m in rows
                 ]
             )
         )
@@ -95,7 +128,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         f"{'STEP':>10}  {'MODE':<12} {'BASE':>10}  {'WORLD':>5}  "
         f"{'SIZE':>10}  {'UPLOADED':>10}  AGE"
     )
-    for m in rows:
+    for s, m in rows:
+        if not isinstance(m, Manifest):
+            print(f"{s:>10}  unreadable: {m.reason}")
+            continue
         print(
             f"{m.step:>10}  {m.mode:<12} {m.base_step:>10}  {m.world_size:>5}  "
             f"{_size(m.logical_bytes):>10}  {_size(m.uploaded_bytes):>10}  {_age(m.created)}"
@@ -104,7 +140,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    m = _manifest(_store(args), args.step)
+    store = _store(args)
+    try:
+        m = _manifest(store, args.step)
+    except repo.UnreadableManifest as exc:
+        print(f"step {exc.step}: unreadable: {exc.reason}")
+        return 1
     if args.json:
         print(m.to_bytes().decode())
         return 0
@@ -117,8 +158,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     )
     print(f"timings: {', '.join(f'{k} {v:.3f}s' for k, v in sorted(m.timings.items()))}")
     # by codec, each stored object once (a chunk named twice is stored once)
+    try:
+        chunks = {(c.id, c.codec): c for f in m.files.values() for c in f.chunks}
+    except CheckpointError as exc:  # a rank manifest (version 3) is missing or corrupt
+        print(f"stored: unreadable: {exc}")
+        return 1
     codecs: dict[str, list[int]] = {}
-    for c in {(c.id, c.codec): c for f in m.files.values() for c in f.chunks}.values():
+    for c in chunks.values():
         count = codecs.setdefault(c.codec, [0, 0, 0])
         count[0], count[1], count[2] = count[0] + 1, count[1] + c.size, count[2] + c.stored_size
     print(
@@ -153,7 +199,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .load.verify import verify
 
     store = _store(args)
-    if args.all or args.step is None:
+    listed = args.all or args.step is None
+    if listed:
         steps = repo.committed_steps(store)
         if not steps:
             raise NoCheckpointError("no committed checkpoint at this location")
@@ -163,6 +210,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     trust = _trust_pickled_values(args)
     bad = 0
     for step in steps:
+        read = _read(store, step)  # parsed only: unreadable is told apart from unsafe
+        if read is None and listed:
+            print(f"step {step}: gone (retired since it was listed)")
+            continue
+        if isinstance(read, repo.UnreadableManifest):
+            bad += 1
+            print(f"step {step}: unreadable: {read.reason}")
+            continue
         try:
             m = read_manifest(store, step)
         except UnsafeCheckpointError as exc:

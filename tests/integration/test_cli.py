@@ -149,3 +149,52 @@ def test_state_that_does_not_match_the_checkpoint(s3_uri: str) -> None:
     assert "load it into the same model" in str(info.value)
     with pytest.raises(CheckpointError, match="does not match"):
         Checkpointer(config).load(model=torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_one_unreadable_manifest_among_good_ones(s3_uri: str) -> None:
+    """ls, show and verify report an unreadable manifest as such and go on with the rest;
+    verify exits 1 when any is bad."""
+    import json
+
+    import torch
+
+    from trainer_sidecar.format.manifest import manifest_key
+
+    net = torch.nn.Linear(8, 8)
+    with Checkpointer(CheckpointConfig(uri=s3_uri, keep_last=0)) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, model=net).result()  # type: ignore[union-attr]
+        store = ckpt.store
+    store.put(manifest_key(2), b"{not json")  # the bucket holds bytes no ctj wrote
+    store.put(manifest_key(3), b'{"format": "something-else"}')
+
+    out = ctj("checkpoints", "ls", s3_uri)
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
+    assert list(rows) == ["1", "2", "3"], out.stdout
+    assert "full" in rows["1"] and "unreadable" not in rows["1"], rows
+    assert "unreadable: " in rows["2"] and "Expecting property name" in rows["2"], rows
+    assert "unreadable: not a ctj checkpoint manifest" in rows["3"], rows
+    out = ctj("checkpoints", "ls", s3_uri, "--json")
+    assert out.returncode == 0, out.stderr
+    listed = json.loads(out.stdout)
+    assert [r["step"] for r in listed] == [1, 2, 3] and listed[0]["mode"] == "full", listed
+    assert listed[2] == {"step": 3, "unreadable": "not a ctj checkpoint manifest"}, listed
+
+    out = ctj("checkpoints", "show", s3_uri)  # the newest readable one, the others named
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert out.stdout.startswith("step 1  mode full"), out.stdout
+    assert "step 3: unreadable: not a ctj checkpoint manifest" in out.stderr, out.stderr
+    assert "step 2: unreadable: " in out.stderr and "Traceback" not in out.stderr, out.stderr
+    out = ctj("checkpoints", "show", s3_uri, "--step", "2")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, (out.stdout, out.stderr)
+    assert out.stdout.startswith("step 2: unreadable: "), out.stdout
+
+    out = ctj("checkpoints", "verify", s3_uri, "--all")
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "step 1: ok" in out.stdout and "step 2: unreadable: " in out.stdout, out.stdout
+    assert "step 3: unreadable: not a ctj checkpoint manifest" in out.stdout, out.stdout
+    out = ctj("checkpoints", "verify", s3_uri)  # the latest: unreadable
+    assert out.returncode == 1 and "step 3: unreadable: " in out.stdout, out
+    out = ctj("checkpoints", "verify", s3_uri, "--step", "1")
+    assert out.returncode == 0 and "step 1: ok" in out.stdout, out
