@@ -262,10 +262,14 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .load.export import export_dcp, export_torch_save  # torch: only for this command
+    # torch: only for this command
+    from .load.export import check_new_file, empty_directory, export_dcp, export_torch_save
 
+    if args.torch_save:  # refused before any work, as is a directory that is not empty
+        check_new_file(args.torch_save)
     store = _store(args)
     m = _manifest(store, args.step)
+    empty_directory(args.out_dir)
     trust = _trust_pickled_values(args)
     with _progress(m.logical_bytes, f"export {m.step}") as update:
         out = export_dcp(store, m, args.out_dir, progress=update, trust_pickled_values=trust)

@@ -12,6 +12,10 @@ load by weights_only rules before anything is written (unless
 ``trust_pickled_values``), and every file name must be a plain name inside the
 output directory. ``.metadata`` is written last: a failed export leaves no
 directory DCP would load.
+
+An export never overwrites: the directory must be new or empty, and every file (the
+``torch.save`` one too) is created exclusively, so no file of the user's, however a
+checkpoint names its files, is ever truncated or replaced.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
+from ..errors import CheckpointError
 from ..format.manifest import METADATA_FILE, Manifest
 from ..store.base import ObjectStore
 from .checks import check_file_name, check_manifest, storage_location
@@ -59,9 +64,7 @@ def export_dcp(
     if not trust_pickled_values:
         _check_values(reader, metadata, by_file, step)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / METADATA_FILE).unlink(missing_ok=True)  # a previous export's: never half-replaced
+    out = empty_directory(out_dir)
     written: list[Path] = []
     try:
         storage = _write_data_files(reader, metadata, by_file, out, written, progress)
@@ -123,12 +126,39 @@ def _write_data_files(
     return storage
 
 
+def empty_directory(out_dir: str | os.PathLike[str]) -> Path:
+    """``out_dir``, created if new; one that holds anything is refused (an export writes
+    only new files, and never beside a previous export's or the user's own)."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with os.scandir(out) as entries:
+            taken = next((e.name for e in entries), None)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot export into {out}: {exc.strerror}; choose a writable directory"
+        ) from None
+    if taken is not None:
+        raise CheckpointError(
+            f"export directory {out} is not empty (it holds {taken!r}): an export never "
+            "overwrites; give an empty or new directory, or remove what is there first"
+        )
+    return out
+
+
 def _create(out: Path, name: str, written: list[Path]) -> BinaryIO:
-    """A new file of a plain name inside ``out``, never through a link pointing elsewhere."""
+    """A new file of a plain name inside ``out``: created exclusively (O_EXCL: a file
+    already there, or a link in its place, is never written through or truncated)."""
     path = out / name
     if path.parent != out or path.name != name:
         raise AssertionError(f"{name!r} is not a plain file name")  # check_file_name's job
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        raise CheckpointError(
+            f"{path} already exists (written there during the export?): an export never "
+            "overwrites; export again into an empty or new directory"
+        ) from None
     written.append(path)
     return os.fdopen(fd, "wb")
 
@@ -145,12 +175,36 @@ def _batches(items: list[_Item]) -> list[list[_Item]]:
     return [b for b in batches if b]
 
 
+def check_new_file(out_file: str | os.PathLike[str]) -> Path:
+    """``out_file`` if nothing is there yet (checked before an export's long work)."""
+    path = Path(out_file)
+    if os.path.lexists(path):
+        raise CheckpointError(
+            f"{path} already exists: an export never overwrites; name a new file, or remove "
+            "that one first"
+        )
+    return path
+
+
 def export_torch_save(dcp_dir: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> None:
     """One ``torch.save`` file of the full (unsharded) state, for inference.
+
+    Written under a temporary name beside it, then linked into place: link(2) refuses a
+    name that exists, so a file that is there is never replaced, and none is half-written.
 
     Stock DCP reads the directory (values with full pickle): run it only on a directory
     ``export_dcp`` wrote, whose values passed weights_only (or that you trust).
     """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(dcp_dir, out_file)
+    path = check_new_file(out_file)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        dcp_to_torch_save(dcp_dir, tmp)
+        os.link(tmp, path)
+    except FileExistsError:
+        raise CheckpointError(
+            f"{path} appeared during the export: an export never overwrites; name a new file"
+        ) from None
+    finally:
+        tmp.unlink(missing_ok=True)
