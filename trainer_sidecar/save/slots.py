@@ -14,8 +14,11 @@ trainer killed mid-copy leaves no ``ready.json``: the slot is simply free.
     <root>/rank-<r>/slot-<k>/ready.json        the staged checkpoint's description
 
 The root is private (mode 0700, owned by us, checked): whoever can write a slot
-decides what gets committed. The sidecar (sidecar.py) reads slots through this
-module alone, so it never imports torch.
+decides what gets committed. So are the directories above it, as ssh's StrictModes
+checks a home directory (``check_parents``): each is ours or root's, and none lets
+another user rename our root away and put one of theirs in its place. A slot's
+``ready.json`` names plain files of that slot alone. The sidecar (sidecar.py) reads
+slots through this module alone, so it never imports torch.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import dataclasses
 import fcntl
 import itertools
 import json
+import logging
 import math
 import os
 import shutil
@@ -39,6 +43,21 @@ from ..format.policy import Committed, SavePlan
 READY = "ready.json"
 STATE = "state.json"
 
+log = logging.getLogger("ctj.slots")
+
+
+class UnsafeSlot(ValueError):
+    """A ``ready.json`` naming a file outside its slot: never persisted."""
+
+
+def plain_name(name: str) -> bool:
+    """One path component of printable characters: no separator, not ``.`` or ``..``."""
+    return (
+        name not in ("", ".", "..")
+        and not any(c in name for c in ("/", "\\", "\0"))
+        and name.isprintable()
+    )
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StagedCheckpoint:
@@ -51,6 +70,11 @@ class StagedCheckpoint:
     files: tuple[tuple[str, tuple[Span, ...]], ...]  # (file name in slot, items: extent, dtype)
     staged_at: float  # wall clock, for the end-to-end latency metric
     stage_seconds: float
+
+    def __post_init__(self) -> None:
+        for name, _ in self.files:  # the persister opens <slot>/<name>: nothing else
+            if not plain_name(name):
+                raise UnsafeSlot(f"staged file {name!r} is not a plain file name inside the slot")
 
     @property
     def save(self) -> SaveIdentity:
@@ -92,13 +116,72 @@ def _item(span: Span) -> list[int | str]:
     return [span.offset, span.length, span.dtype] if span.dtype else [span.offset, span.length]
 
 
+def parent_problem(mode: int, owner: int, *, euid: int, pod_volume: bool) -> str | None:
+    """Why a directory above the staging root lets another user replace it (None: it
+    does not). Ours or root's, and writable by nobody else, unless sticky (/tmp,
+    /dev/shm: others add names there, but only we rename or remove ours) or a pod's own
+    volume (a kubelet mounts an emptyDir root-owned 0777 for the pod's containers alone).
+    """
+    if owner not in (euid, 0):
+        return f"belongs to uid {owner}, not to this process (uid {euid}) or root"
+    if mode & 0o022 and not mode & stat.S_ISVTX and not (pod_volume and owner == 0):
+        return f"is writable by other users (mode {stat.S_IMODE(mode):04o}, not sticky)"
+    return None
+
+
+def check_parents(root: Path) -> None:
+    """Every existing directory above ``root``, links resolved, passes ``parent_problem``;
+    else a CheckpointError naming the directory and the fix."""
+    in_pod = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    here = Path(os.path.realpath(root.parent))
+    for directory in (here, *here.parents):
+        try:
+            info = os.stat(directory)
+        except FileNotFoundError:
+            continue  # made below, by us
+        problem = parent_problem(
+            info.st_mode,
+            info.st_uid,
+            euid=os.geteuid(),
+            pod_volume=in_pod and os.path.ismount(directory),
+        )
+        if problem:
+            fix = (
+                "remove it if it is not yours"
+                if problem.startswith("belongs")
+                else f"chmod go-w {directory} (or chmod +t, as /tmp is)"
+            )
+            raise CheckpointError(
+                f"staging directory {root} is unsafe: {directory} {problem}, so another "
+                f"user could put a staging directory of theirs in its place: {fix}, or set "
+                "CTJ_STAGING_DIR to a directory only you can write"
+            )
+
+
+def _make_parents(path: Path) -> None:
+    """``mkdir -p`` whose new directories nobody else can write: 0755 (less the umask),
+    where ``mkdir -p`` gives a umask of 002 group-writable ones."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o755)
+        except FileExistsError:
+            pass  # made meanwhile: check_parents judges it
+
+
 def prepare_root(root: Path) -> Path:
     """Create the job's staging directory 0700, or check that an existing one is ours.
 
     A directory someone else owns (or can write) could feed our persister a slot
-    of their making, or read our state: refuse it with the fix.
+    of their making, or read our state: refuse it with the fix. The directories above
+    it are checked too (``check_parents``), before anything is made in them.
     """
-    root.parent.mkdir(parents=True, exist_ok=True)
+    check_parents(root)
+    _make_parents(root.parent)
+    check_parents(root)  # what was made meanwhile by someone else, too
     try:
         root.mkdir(mode=0o700)
     except FileExistsError:
@@ -208,9 +291,17 @@ def pending(root: Path, rank: int | None = None) -> list[tuple[Path, StagedCheck
     for ready in _ready_files(root, rank):
         try:
             found.append((ready.parent, StagedCheckpoint.from_json(ready.read_text())))
+        except UnsafeSlot as exc:
+            if ready not in _refused:  # said once, not at every poll
+                _refused.add(ready)
+                log.error("%s refused, nothing in it persisted: %s", ready, exc)
+            continue
         except (FileNotFoundError, json.JSONDecodeError, KeyError, ValueError, TypeError):
             continue  # released meanwhile, or not a slot this version wrote
     return sorted(found, key=lambda p: (p[1].step, p[1].rank))
+
+
+_refused: set[Path] = set()  # ready.json files refused (and said so) by pending()
 
 
 def _ready_files(root: Path, rank: int | None) -> list[Path]:
