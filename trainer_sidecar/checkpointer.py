@@ -22,6 +22,11 @@ A load: ``Checkpointer.load`` → ``load.restore`` → ``load`` readers → ``st
 
 ``extra`` is a dict of plain values saved once (replicated: rank 0's values win
 DCP's deduplication) and loaded into every rank.
+
+One location holds one run, its steps in order: the first save refuses a step below
+the checkpoints already there (``start_refusal``), since a restart would resume from
+those, not from this run. Resume with ``load()``, use a new URI for a new run, or
+remove the later checkpoints to go back on purpose.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from .save.persist import Persister
 from .save.protocol import SaveProtocol
 from .state_dict import build_state
 from .store import commit as commits
+from .store import repository
 from .store.base import ObjectStore
 
 log = logging.getLogger("ctj.checkpoint")
@@ -152,6 +158,20 @@ class PendingSave:
         )
 
 
+def start_refusal(step: int, later: list[int], uri: str) -> str:
+    """Why a first save at ``step`` is refused where ``later`` steps are committed, and the
+    three ways on."""
+    shown = ", ".join(map(str, later)) if len(later) <= 8 else f"{later[0]} to {later[-1]}"
+    steps = " ".join(map(str, later)) if len(later) <= 8 else "<steps `ctj checkpoints ls` shows>"
+    return (
+        f"step {step} is below the checkpoints at {uri} (steps {shown}): a restart would "
+        f"resume from those, not from this run. To resume, call load() before training and "
+        f"go on from the step it restored; for a new run, use a new URI; "
+        f"to go back to step {step} on purpose, remove the later ones first "
+        f"(ctj checkpoints rm {uri} {steps})"
+    )
+
+
 class Checkpointer:
     def __init__(
         self,
@@ -186,6 +206,7 @@ class Checkpointer:
             metrics=self.metrics,
         )
         self._last: PendingSave | None = None
+        self._start_checked = False  # the first save found no later step (_check_start)
         self.cache = self._parts.cache
         self._server = (
             serve(config.metrics_port, self.metrics) if config.metrics_port is not None else None
@@ -231,8 +252,11 @@ class Checkpointer:
 
         Returns None when the save was skipped (``busy_policy="skip"`` and a
         previous save still uploading). Collective (see save/protocol.py).
+        Until one passes, a save below the steps committed at this location raises
+        CheckpointError (``start_refusal``: load first, or use a new URI).
         """
         started = time.monotonic()
+        self._check_start(step)
         self._open()
         state = build_state(model, optimizer, extra)
         done = self._protocol.stage(step, state, started=started)
@@ -257,6 +281,23 @@ class Checkpointer:
             default_timeout_s=self.config.commit_timeout_s * 2,
         )
         return self._last
+
+    def _check_start(self, step: int) -> None:
+        """Collective, until a save passes it: refuse a first save below the checkpoints
+        at this location (rank 0 lists them; every rank raises the same error)."""
+        if self._start_checked:
+            return
+        later = collectives.decided_by_rank0(functools.partial(self._steps_after, step), self.group)
+        if later:
+            raise CheckpointError(start_refusal(step, later, self.config.uri))
+        self._start_checked = True
+
+    def _steps_after(self, step: int) -> list[int]:
+        try:
+            return [s for s in repository.committed_steps(self.store) if s > step]
+        except CheckpointError as exc:  # the save itself will say what is wrong with the store
+            log.warning("could not list the checkpoints above step %d: %s", step, exc)
+            return []
 
     @property
     def metrics_port(self) -> int | None:

@@ -109,22 +109,3 @@ def test_retention_keeps_last_k_and_their_base(s3_uri: str, s3_env: dict[str, st
     assert repo.committed_steps(ckpt.store) == [1, 3, 4]  # 1 is the base of 3 and 4
     fresh = make_model(5)
     assert Checkpointer(config).load(model=fresh).step == 4
-
-
-def test_a_run_restarted_below_the_newest_step_is_warned_and_its_saves_still_resolve(
-    s3_uri: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A new run at the same URI without load: its low steps commit and retention removes
-    them at once (it keeps the highest steps). save() says so; result() still returns."""
-    config = CheckpointConfig(uri=s3_uri, mode="full", keep_last=1)
-    model = make_model(0)
-    with Checkpointer(config) as ckpt:
-        ckpt.save(100, model=model).result()
-    with Checkpointer(config) as again:
-        result = again.save(1, model=model).result(timeout=60)
-    assert result.step == 1 and result.mode == "full"
-    assert repo.committed_steps(again.store) == [100]  # step 1 committed, then retired
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert any(
-        "saving step 1 below the newest checkpoint" in w and "(step 100)" in w for w in warnings
-    ), warnings
