@@ -4,9 +4,12 @@ back on purpose), so no commit it reports is ever retired by the steps above it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
+from tests.integration.ranks import run_ranks
 from trainer_sidecar import CheckpointConfig, Checkpointer, CheckpointError
 from trainer_sidecar.cli import main
 from trainer_sidecar.format.manifest import PARTS
@@ -53,3 +56,26 @@ def test_a_new_run_below_the_stored_steps_is_refused_until_it_resumes(s3_uri: st
         assert again.save(10, model=model(3)).result().step == 10  # type: ignore[union-attr]
         assert again.save(11, model=model(3)).result().step == 11  # type: ignore[union-attr]
     assert repo.committed_steps(store) == [10, 11]
+
+
+def refused_on_every_rank(args: dict[str, Any]) -> None:
+    """A rank of a 2-rank run started below the stored steps: every rank gets the same
+    refusal (none is left waiting in a collective), then resumes with load()."""
+    import torch.distributed as dist
+
+    config = CheckpointConfig(uri=args["uri"], mode="full", keep_last=0)
+    with Checkpointer(config) as ckpt:
+        net = model(dist.get_rank())
+        with pytest.raises(CheckpointError, match=r"step 10 is below .* \(steps 500\)"):
+            ckpt.save(10, model=net)
+        restored = ckpt.load(model=net)
+        assert restored is not None and restored.step == 500
+        assert ckpt.save(501, model=net).result().step == 501  # type: ignore[union-attr]
+
+
+def test_every_rank_is_refused_alike(s3_uri: str) -> None:
+    with Checkpointer(CheckpointConfig(uri=s3_uri, mode="full", keep_last=0)) as old:
+        old.save(500, model=model(0)).result()  # type: ignore[union-attr]
+        store = old.store
+    run_ranks(2, "tests.integration.test_start_step:refused_on_every_rank", {"uri": s3_uri})
+    assert repo.committed_steps(store) == [500, 501]
