@@ -115,6 +115,12 @@ class CheckpointMetrics:
             ["tier"],
             registry=r,
         )
+        self.gc_blocked = Gauge(
+            "ctj_checkpoint_gc_blocked",
+            "1 while retention or gc after a commit stops before deleting anything (a live "
+            "checkpoint it cannot read, a store error): storage grows until it is fixed.",
+            registry=r,
+        )
         for tier in RESTORE_TIERS:
             self.restore_bytes.labels(tier=tier)
         for stage in FAILURE_STAGES:  # export zeros, so rates work from the start

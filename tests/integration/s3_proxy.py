@@ -18,6 +18,10 @@ next requests it applies to (``inject_next``):
   (S3's answer when two conditional writes race), nothing forwarded;
 - ``lost_reply``: forward, let the server act, then reset instead of replying.
 
+``hold(method, marker)`` holds requests instead (a request slow to arrive): each one
+with that method whose request line contains ``marker`` is read whole, then forwarded
+only once ``release()`` is called; ``holding`` is set when the first one is held.
+
 The first five are ``DEFAULT_FAULTS``. ``drop_if_none_match=True`` strips the
 If-None-Match header: a server that ignores conditional writes (moto does not
 check signatures, so the signed header's absence goes unnoticed).
@@ -151,6 +155,9 @@ class FaultProxy:
         self._queued: list[str] = []
         self._injected: collections.Counter[str] = collections.Counter()
         self._requests = 0
+        self._hold: tuple[str, bytes] | None = None
+        self.holding = threading.Event()
+        self._released = threading.Event()
         proxy = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -183,11 +190,29 @@ class FaultProxy:
         with self._lock:
             self._queued.extend(faults)
 
+    def hold(self, method: str, marker: str) -> None:
+        """Hold every request with ``method`` whose request line contains ``marker``."""
+        self._hold = (method, marker.encode())
+
+    def release(self) -> None:
+        """Forward what is held, and everything after it, at once."""
+        self._released.set()
+
+    def _held(self, req: _Request) -> None:
+        if self._hold is None or self._released.is_set():
+            return
+        method, marker = self._hold
+        if req.method == method and marker in req.head[0]:
+            self.holding.set()
+            if not self._released.wait(120):
+                raise TimeoutError("a held request was never released")
+
     def start(self) -> FaultProxy:
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        self._released.set()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(10)
@@ -250,6 +275,7 @@ class FaultProxy:
             _reset(client)
             return False
         req.body = _read_chunked(f) if chunked else f.read(req.body_length)
+        self._held(req)
         if fault == "reset_before_reply":
             self._count(fault)
             _reset(client)

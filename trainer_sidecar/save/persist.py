@@ -47,6 +47,7 @@ from ..store import commit as commits
 from ..store import repository
 from ..store.base import ObjectStore
 from ..store.chunk_cache import ChunkCache
+from ..store.gc_fence import SaveFence
 from . import slots
 from .uploader import StagedFile, UploadSettings, upload_rank
 
@@ -185,6 +186,8 @@ class Persister:
         started = time.monotonic()
         log.info("uploading step %d (rank %d, %s)", staged.step, staged.rank, staged.save)
         files = [StagedFile(name, str(slot / name), items) for name, items in staged.files]
+        # before anything is stored (gc_fence.py, S1); the hold is this rank's of this save
+        fence = SaveFence(self.store, f"{staged.step}-{staged.save.key}-{staged.rank}")
         part = upload_rank(
             self.store,
             step=staged.step,
@@ -196,6 +199,7 @@ class Persister:
             settings=self.settings,
             should_stop=self._past_deadline,
             cache=self.cache,
+            fence=fence,
         )
         self.metrics.upload.observe(time.monotonic() - started)
         self.metrics.bytes.labels(kind="uploaded").inc(part.uploaded_bytes)
@@ -270,8 +274,14 @@ class Persister:
         try:
             if repository.apply_retention(self.store, self.config.keep_last):
                 repository.collect_garbage(self.store, grace_s=self.config.gc_grace_s)
-        except Exception:  # noqa: BLE001 - housekeeping; the commit stands
+        except CheckpointError as exc:  # housekeeping; the commit stands
+            log.error("retention or gc after step %d stopped: %s", step, exc)
+            self.metrics.gc_blocked.set(1)
+        except Exception:  # noqa: BLE001 - the same, unforeseen: with its traceback
             log.exception("retention or gc after step %d failed", step)
+            self.metrics.gc_blocked.set(1)
+        else:
+            self.metrics.gc_blocked.set(0)
 
     def _recovered(self, staged: slots.StagedCheckpoint) -> Manifest | SaveFailed | None:
         """For rank 0's slot staged before this persister started (a restart): what had

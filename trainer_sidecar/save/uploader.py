@@ -47,6 +47,7 @@ from ..format.manifest import (
 from ..store.base import ObjectStore
 from ..store.chunk_cache import ChunkCache
 from ..store.commit import store_part
+from ..store.gc_fence import SaveFence
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -121,19 +122,26 @@ def upload_rank(
     progress: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     cache: ChunkCache | None = None,
+    fence: SaveFence | None = None,
 ) -> RankPart:
     """Upload the files, store this save's part for the rank, return that part.
 
     ``reference`` maps chunk ids to how the reference checkpoint stored them.
     ``cache``: the node-local chunk cache, given every chunk of the save (raw).
+    ``fence``: opened before anything was stored; settled (store/gc_fence.py) once every
+    chunk is, before the rank manifest names them: a chunk a gc run deleted meanwhile is
+    stored again from the staged bytes.
     """
     started = time.monotonic()
     dedup = _Dedup(reference)
     uploaded = deduplicated = 0
     counter_lock = threading.Lock()
     entries: dict[str, FileEntry] = {}
+    sources: dict[str, tuple[StagedFile, chunking.Span, Codec]] = {}  # by stored key
 
-    def one_chunk(whole: memoryview, planned: tuple[chunking.Span, Codec]) -> ChunkRef:
+    def one_chunk(
+        whole: memoryview, staged: StagedFile, planned: tuple[chunking.Span, Codec]
+    ) -> ChunkRef:
         nonlocal uploaded, deduplicated
         span, codec = planned
         if should_stop is not None and should_stop():
@@ -158,6 +166,8 @@ def upload_rank(
             ref = known.result() if isinstance(known, cf.Future) else known
             with counter_lock:
                 deduplicated += span.length
+        with counter_lock:
+            sources.setdefault(ref.key, (staged, span, codec))
         if progress:
             progress(span.length)
         return ref
@@ -176,9 +186,11 @@ def upload_rank(
                     (span, codecs.choose(settings.compression, k))
                     for span, k in zip(spans, kinds, strict=True)
                 ]
-                fn = functools.partial(one_chunk, view)
+                fn = functools.partial(one_chunk, view, staged)
                 refs = _run_bounded(pool, planned, fn, limit=settings.parallelism * 2)
                 entries[staged.name] = FileEntry(len(view), tuple(refs))
+    if fence is not None:
+        entries = _settle(fence, store, entries, sources, settings)
     rank_manifest = RankManifest(
         step=step, rank=rank, save=save, block_size=settings.block_size, files=entries
     )
@@ -195,7 +207,37 @@ def upload_rank(
         raise UploadAborted(f"upload of step {step} (rank {rank}) stopped before its part")
     store.put(rank_manifest_key(part.manifest), body)  # content-addressed: a retry rewrites it
     store_part(store, part)
+    if fence is not None:
+        fence.release()  # the part names every chunk now: gc marks them through it
     return part
+
+
+def _settle(
+    fence: SaveFence,
+    store: ObjectStore,
+    entries: dict[str, FileEntry],
+    sources: dict[str, tuple[StagedFile, chunking.Span, Codec]],
+    settings: UploadSettings,
+) -> dict[str, FileEntry]:
+    """The entries once no gc run can delete what they name: each chunk a run deleted is
+    stored again from its staged bytes (and named as stored now)."""
+    again: dict[str, ChunkRef] = {}  # by the key first stored (or named from the reference)
+
+    def names() -> set[str]:
+        return {again[k].key if k in again else k for k in sources}
+
+    def store_again(lost: set[str]) -> None:
+        for first in [k for k in sources if (again[k].key if k in again else k) in lost]:
+            staged, span, codec = sources[first]
+            with _mapped(staged.path) as whole, whole[span.offset : span.end] as view:
+                cid, blocks = chunking.hash_chunk(view, settings.block_size)
+                again[first] = _store_chunk(store, view, cid, tuple(blocks), codec, settings)
+
+    fence.settle(names, store_again)
+    return {
+        name: FileEntry(e.size, tuple(again.get(c.key, c) for c in e.chunks))
+        for name, e in entries.items()
+    }
 
 
 def _store_chunk(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Mapping
 
 from ..errors import (
@@ -45,14 +44,27 @@ from ..format.manifest import (
     step_of_manifest_key,
 )
 from .base import ObjectStore
+from .gc_fence import MARKERS, GcRun, forgettable, runs_in, store_now
 
 log = logging.getLogger(__name__)
-CLOCK_KEY = "clock"
 
 
 def committed_steps(store: ObjectStore) -> list[int]:
     steps = (step_of_manifest_key(o.key) for o in store.list(MANIFESTS))
     return sorted(s for s in steps if s is not None)
+
+
+class UnreadableManifest(CheckpointError):
+    """A committed manifest whose bytes are no manifest this ctj can read: the step and why
+    (``ctj checkpoints ls/show/verify`` report it as a row and go on with the rest)."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(f"manifest of step {step} is unreadable: {reason}")
+        self.step = step
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (self.step, self.reason)
 
 
 def read_manifest(store: ObjectStore, step: int, *, retired_too: bool = False) -> Manifest:
@@ -67,8 +79,15 @@ def read_manifest(store: ObjectStore, step: int, *, retired_too: bool = False) -
             raise NoCheckpointError(f"no committed checkpoint at step {step}") from None
     try:
         return Manifest.from_bytes(data, fetch=store.get)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"manifest of step {step} is unreadable: {exc}") from None
+    except (
+        ValueError,
+        LookupError,
+        TypeError,
+        AttributeError,
+        ArithmeticError,
+        RecursionError,
+    ) as exc:  # whatever the bytes hold (json nested past the stack, inf as an int...)
+        raise UnreadableManifest(step, str(exc)) from None
 
 
 def latest_manifest(store: ObjectStore, *, before: int | None = None) -> Manifest | None:
@@ -84,13 +103,26 @@ def latest_manifest(store: ObjectStore, *, before: int | None = None) -> Manifes
 
 
 def apply_retention(store: ObjectStore, keep_last: int) -> list[int]:
-    summaries = []
-    for step in committed_steps(store):
+    """Retire all but the last ``keep_last`` commits by commit time (and their bases): the
+    manifest's own ``created``, or, for one that cannot be read, the store's Last-Modified."""
+    stored = {
+        step: o.last_modified
+        for o in store.list(MANIFESTS)
+        if (step := step_of_manifest_key(o.key)) is not None
+    }
+    summaries, committed_at = [], {}
+    for step in sorted(stored):
         try:
-            summaries.append(policy.Committed.of(read_manifest(store, step)))
+            manifest = read_manifest(store, step)
+        except NoCheckpointError:  # retired meanwhile (a concurrent retention, `rm`)
+            continue
         except CheckpointError:  # unreadable: keep it only for itself
             summaries.append(policy.Committed(step, step, 0))
-    doomed = policy.plan_retention(summaries, keep_last)
+            committed_at[step] = stored[step]
+            continue
+        summaries.append(policy.Committed.of(manifest))
+        committed_at[step] = manifest.created
+    doomed = policy.plan_retention(summaries, keep_last, committed_at=committed_at)
     retire(store, doomed)
     return doomed
 
@@ -104,15 +136,6 @@ def retire(store: ObjectStore, steps: list[int]) -> None:
             continue
         store.put(retired_key(step), data)
         store.delete([manifest_key(step)])
-
-
-def store_now(store: ObjectStore) -> float:
-    """The store's own clock (object ages are on it), read by writing a tiny object."""
-    store.put(CLOCK_KEY, b"")
-    for info in store.list(CLOCK_KEY):
-        if info.key == CLOCK_KEY:
-            return info.last_modified
-    return time.time()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,10 +171,15 @@ def _named_by_part(store: ObjectStore, part: RankPart) -> set[str]:
     return {share.key} | _chunk_keys(files, f"a part of step {part.step}")
 
 
-def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False) -> GcReport:
-    """Mark every chunk and rank manifest that a manifest, a young retired manifest or an
-    in-flight part names; sweep the rest past grace."""
-    now = store_now(store)
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Marked:
+    referenced: set[str]  # every chunk and rank manifest something live names
+    stale_parts: list[str]  # parts and failure markers no save can still use
+    old_retired: list[str]  # retired manifests past the grace
+
+
+def _mark(store: ObjectStore, *, now: float, grace_s: float) -> _Marked:
+    """What live manifests, young retired ones and parts possibly in flight name."""
     referenced: set[str] = set()
     committed_saves: dict[int, SaveIdentity | None] = {}
     for step in committed_steps(store):
@@ -167,10 +195,16 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
             retired = Manifest.from_bytes(store.get(obj.key), fetch=store.get)
         except ObjectNotFound:
             continue
+        except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # nothing a save relies on: a save that read it as a reference failed to, and
+            # uploaded every chunk; it ages out like the others
+            log.warning(
+                "gc: retired manifest %s is unreadable (%s); it names nothing", obj.key, exc
+            )
+            continue
         referenced |= _named(retired, "it leaves after the grace")
-    part_objects = list(store.list(PARTS))
     stale_parts = []
-    for obj in part_objects:
+    for obj in store.list(PARTS):
         parsed = PartKey.parse(obj.key)
         if parsed is None:
             continue
@@ -187,21 +221,35 @@ def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False
         except (ObjectNotFound, ValueError, KeyError, TypeError):
             continue
         referenced |= _named_by_part(store, part)
+    return _Marked(referenced, stale_parts, old_retired)
+
+
+def collect_garbage(store: ObjectStore, *, grace_s: float, dry_run: bool = False) -> GcReport:
+    """Mark every chunk and rank manifest that a manifest, a young retired manifest or an
+    in-flight part names; sweep the rest past grace, behind the gc fence (gc_fence.py:
+    what may go is published before the holds of saves in flight are read and before the
+    first delete)."""
+    now = store_now(store)
+    marked = _mark(store, now=now, grace_s=grace_s)
     chunks = list(store.list(CHUNKS))
-    doomed = set(policy.plan_gc(chunks, referenced, now=now, grace_s=grace_s))
-    # rank manifests of saves that never committed go like chunks: unnamed and past the grace
-    doomed_ranks = policy.plan_gc(store.list(RANKS), referenced, now=now, grace_s=grace_s)
-    if not dry_run:
-        store.delete(sorted(doomed))
-        store.delete(stale_parts)
-        store.delete(doomed_ranks)
-        store.delete(old_retired)
+    doomed = policy.plan_gc(chunks, marked.referenced, now=now, grace_s=grace_s)
+    # rank manifests of saves that never committed go like chunks: unnamed, past the grace
+    doomed_ranks = policy.plan_gc(store.list(RANKS), marked.referenced, now=now, grace_s=grace_s)
+    if dry_run:
+        deleted = {*doomed, *doomed_ranks}
+    else:
+        run = GcRun(store)
+        others = list(runs_in(store.list(MARKERS)).values())
+        deleted = set(run.sweep([*doomed, *doomed_ranks], now=now, grace_s=grace_s))
+        forget = forgettable(others, now=now, grace_s=grace_s)
+        run.delete_unfenced([*marked.stale_parts, *marked.old_retired, *forget])
+        run.done()
     return GcReport(
-        deleted_chunks=len(doomed),
-        deleted_bytes=sum(o.size for o in chunks if o.key in doomed),
-        deleted_parts=len(stale_parts),
-        kept_chunks=len(chunks) - len(doomed),
-        deleted_rank_manifests=len(doomed_ranks),
+        deleted_chunks=sum(1 for k in doomed if k in deleted),
+        deleted_bytes=sum(o.size for o in chunks if o.key in deleted),
+        deleted_parts=len(marked.stale_parts),
+        kept_chunks=len(chunks) - sum(1 for k in doomed if k in deleted),
+        deleted_rank_manifests=sum(1 for k in doomed_ranks if k in deleted),
     )
 
 
