@@ -25,6 +25,44 @@ DEFAULT_BLOCK_SIZE = 1 * MIB
 DEFAULT_CHUNK_SIZE = 8 * MIB
 DEFAULT_PACK_SIZE = 256 * 1024
 
+# The format's limits (docs/format.md, "Limits: what a reader trusts"). A writer never
+# cuts a chunk larger than MAX_CHUNK_SIZE (``chunk_size`` is at most that), and its block
+# size is a power of two in [MIN_BLOCK_SIZE, MAX_BLOCK_SIZE]. A reader refuses any record
+# outside them before it allocates anything by it: a chunk's raw size is the most memory
+# one chunk may cost a reader, whatever a record claims.
+MAX_CHUNK_SIZE = 64 * MIB
+MIN_BLOCK_SIZE = 4096
+MAX_BLOCK_SIZE = MAX_CHUNK_SIZE
+
+
+def max_stored_size(raw_size: int) -> int:
+    """The largest stored object a chunk of ``raw_size`` raw bytes can have under any codec:
+    zstd's worst-case expansion of incompressible bytes (``ZSTD_compressBound``: 1/256 plus
+    a frame's overhead, for each of up to 4 byte-plane frames). ctj before its byte-plane
+    codecs stored zstd objects whatever their size, so one may exceed its raw size."""
+    return raw_size + (raw_size >> 8) + 1024
+
+
+def block_size_problem(block_size: int) -> str | None:
+    """Why ``block_size`` is not one a writer uses (a power of two in
+    [MIN_BLOCK_SIZE, MAX_BLOCK_SIZE]); None when it is."""
+    if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        return f"is not a power of two from {MIN_BLOCK_SIZE} to {MAX_BLOCK_SIZE} bytes"
+    return None
+
+
+def chunk_size_problem(size: int, stored_size: int) -> str | None:
+    """Why a chunk record's raw and stored sizes are outside the format's limits (raw at
+    most MAX_CHUNK_SIZE, stored at most ``max_stored_size`` of it); None when inside."""
+    if not 0 <= size <= MAX_CHUNK_SIZE:
+        return f"claims {size} raw bytes, outside 0..{MAX_CHUNK_SIZE} (the maximum chunk size)"
+    if not 0 <= stored_size <= max_stored_size(size):
+        return (
+            f"claims {stored_size} stored bytes, outside 0..{max_stored_size(size)} "
+            f"(what a chunk of {size} raw bytes can be stored in)"
+        )
+    return None
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Span:

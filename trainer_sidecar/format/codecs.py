@@ -17,9 +17,11 @@ Codecs (the stored object's key suffix in parentheses; docs/format.md):
   (bench/bench_compression.py measures it).
 
 Decoding is bounded: it never produces more than the chunk's raw size (as the
-manifest states it), however the stored object was made, so a hostile object (a
-zstd "bomb" whose frame header claims gigabytes) is refused after at most that many
-bytes, never allocated.
+manifest states it, at most MAX_CHUNK_SIZE), however the stored object was made, so a
+hostile object (a zstd "bomb" whose frame header claims gigabytes) is refused after at
+most that many bytes, never allocated; and its output grows only by what actually
+decodes, so a record claiming a raw size its object does not hold (a few bytes that
+"are" 64 MiB) costs what the object decodes to, not the claim.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 import zstandard
 
-from .chunking import Span
+from .chunking import MAX_CHUNK_SIZE, Span
 from .manifest import Codec
 
 DEFAULT_ZSTD_LEVEL = 1  # measured (docs/benchmarks.md, Compression): higher levels don't pay
@@ -148,48 +150,49 @@ def store_form(
 # --------------------------------------------------------------------------- decode
 
 
-def _unzstd(stored: bytes | memoryview, size: int) -> bytearray:
+DECODE_STEP = 1 << 20  # bytes decoded at a time: the output grows by what decodes, never by a claim
+
+
+def _unzstd(stored: bytes | memoryview, size: int) -> bytes:
     """Every zstd frame of ``stored``, in order, decompressed: exactly ``size`` bytes or a
-    CodecError. Never writes more than ``size + 1`` bytes, whatever the frames claim."""
-    out = bytearray(size + 1)
-    view = memoryview(out)
+    CodecError. Never decodes more than ``size + 1`` bytes, whatever the frames claim, and
+    never allocates more than it decoded (plus one DECODE_STEP) and their join: a claimed
+    ``size`` the object does not hold costs nothing."""
+    pieces: list[bytes] = []
     got = 0
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=True)
         with reader:
             while got <= size:
-                with view[got:] as rest:
-                    n = reader.readinto(rest)
-                if not n:
+                piece = reader.read(min(DECODE_STEP, size + 1 - got))
+                if not piece:
                     break
-                got += n
+                pieces.append(piece)
+                got += len(piece)
     except zstandard.ZstdError as exc:
         raise CodecError(f"does not decompress ({exc})") from None
-    finally:
-        view.release()
     if got > size:
         raise CodecError(f"decompresses to more than its {size} raw bytes")
     if got < size:
         raise CodecError(f"decompresses to {got} bytes, not its {size} raw bytes")
-    del out[size:]
-    return out
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def decode(stored: bytes | memoryview, codec: str, *, size: int) -> bytes:
     """A chunk's raw bytes (``size`` of them, the manifest's raw size) from its stored
-    object; CodecError when the object does not decode to exactly that many bytes. The
-    caller verifies them against the chunk's block digests."""
+    object; CodecError when the object does not decode to exactly that many bytes, or
+    ``size`` is outside the format's limits. The caller verifies them against the chunk's
+    block digests. Memory: the object, what it decodes to (at most ``size + 1`` bytes),
+    and one copy of the result; never ``size`` bytes the object does not hold."""
     c = codec_of(codec)
-    if size < 0:
-        raise CodecError(f"raw size {size} is negative")
+    if not 0 <= size <= MAX_CHUNK_SIZE:
+        raise CodecError(f"raw size {size} is outside 0..{MAX_CHUNK_SIZE} (the maximum chunk size)")
     if c is Codec.NONE:
         if len(stored) != size:
             raise CodecError(f"is {len(stored)} bytes, not its {size} raw bytes")
         return bytes(stored)
     raw = _unzstd(stored, size)
-    if c is Codec.ZSTD:
-        return bytes(raw)
-    return unplanes(raw, WIDTH[c])
+    return raw if c is Codec.ZSTD else unplanes(raw, WIDTH[c])
 
 
 # --------------------------------------------------------------------------- choice
