@@ -9,7 +9,8 @@ same. Keys are '/'-separated and relative to the store's root.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
 
@@ -30,7 +31,8 @@ class ObjectStore(Protocol):
     ``put(if_absent=True)`` is a create-only write: it raises ``ObjectExists``
     instead of replacing an object; the commit relies on it.
     ``get`` raises ``ObjectNotFound``; ``byte_range`` is ``(start, end)``,
-    end exclusive.
+    end exclusive, and gives the bytes of the object in it: fewer (down to none)
+    where the object ends before ``end`` (``read_bounded`` relies on that).
     """
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None: ...
@@ -40,6 +42,26 @@ class ObjectStore(Protocol):
     def list(self, prefix: str) -> Iterator[ObjectInfo]: ...
 
     def delete(self, keys: Iterable[str]) -> None: ...
+
+
+def read_bounded(store: ObjectStore, key: str, max_bytes: int) -> bytes:
+    """The object at ``key``, or its first ``max_bytes + 1`` bytes when it is larger: a
+    caller that gets more than ``max_bytes`` knows the object is too large, having read
+    (and allocated) no more than that, whatever the object's size. One ranged GET
+    (``bytes=0-max_bytes``), which every store answers with what it has; so any store,
+    and any wrapper passing ``byte_range`` on, bounds it. ``ObjectNotFound`` as ``get``.
+
+    Every read of an object whose size the reader does not already know (a manifest, a
+    rank manifest, a part, a whole chunk) goes through here with the most that kind of
+    object may be (format.manifest's MAX_*_BYTES, a chunk's size)."""
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes {max_bytes} is negative")
+    return store.get(key, byte_range=(0, max_bytes + 1))
+
+
+def bounded_reader(store: ObjectStore, max_bytes: int) -> Callable[[str], bytes]:
+    """``read_bounded`` of ``store`` as a one-argument fetch (a manifest's rank manifests)."""
+    return functools.partial(read_bounded, store, max_bytes=max_bytes)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

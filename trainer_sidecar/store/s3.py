@@ -388,7 +388,12 @@ class S3Store:
         extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"} if byte_range else {}
 
         def once() -> bytes:
-            resp = self._s3.get_object(Bucket=self.bucket, Key=self.prefix + key, **extra)
+            try:
+                resp = self._s3.get_object(Bucket=self.bucket, Key=self.prefix + key, **extra)
+            except bex.ClientError as exc:
+                if byte_range is not None and _range_not_satisfiable(exc):
+                    return b""  # the object ends before the range starts (or is empty)
+                raise
             body = resp["Body"]
             try:
                 data: bytes = body.read()
@@ -438,6 +443,13 @@ class S3Store:
                 )
 
         self._retrying("DELETE", keys[0], once)  # deleting again is harmless
+
+
+def _range_not_satisfiable(exc: bex.ClientError) -> bool:
+    """416 InvalidRange: a ranged GET starting at or past the object's end (S3 answers so
+    for any range of an empty object), which ``get`` gives as no bytes."""
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return exc.response.get("Error", {}).get("Code") == "InvalidRange" or status == 416
 
 
 def open_store(uri: str, s3: S3Settings | None = None) -> LocalStore | S3Store:
