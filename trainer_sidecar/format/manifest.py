@@ -39,11 +39,58 @@ from typing import Any
 import blake3
 
 from ..errors import CorruptManifestError, ObjectNotFound
+from .chunking import block_size_problem, chunk_size_problem
 
 FORMAT = "ctj-checkpoint"
 FORMAT_VERSION = 3
 INLINE_VERSION = 2  # the last version with every chunk list in the manifest itself
 METADATA_FILE = ".metadata"
+
+MIB = 1 << 20
+# The most bytes a reader takes of each kind of object (docs/format.md, "Limits: what a
+# reader trusts"): it reads at most one byte more (store.base.read_bounded) and refuses
+# anything larger as it would a corrupt one, before parsing it. Each is far above what a
+# writer makes: a version 3 manifest is ~200 bytes a rank (256 MiB: over a million
+# ranks); a rank manifest, or a version 2 manifest or part with every chunk list inline,
+# ~64 MiB per TiB of state at 1 MiB blocks (256 MiB: 4 TiB); DCP's .metadata a few
+# hundred bytes per saved tensor shard.
+MAX_MANIFEST_BYTES = 256 * MIB
+MAX_RANK_MANIFEST_BYTES = 256 * MIB
+MAX_PART_BYTES = 256 * MIB
+MAX_METADATA_BYTES = 1024 * MIB
+
+
+def _min_json(value: object) -> int:
+    return len(json.dumps(value, separators=(",", ":")))
+
+
+# The fewest bytes one entry can take in its object (the shortest JSON a parser accepts
+# for it: no spaces, zero numbers, an empty name): an object of N bytes lists at most
+# N // that many, whatever a count in it claims.
+MIN_RANK_REF_BYTES = _min_json({"rank": 0, "manifest": "0" * 64, "files": {}})  # 99
+MIN_FILE_ENTRY_BYTES = _min_json({"": {"size": 0, "chunks": []}}) - 2  # 25: '"":{...}'
+
+
+def check_object_size(data: bytes | memoryview, limit: int, what: str) -> None:
+    """ValueError when ``data`` (an object as read, at most ``limit + 1`` bytes) is larger
+    than ``limit``, the most a ``what`` may be."""
+    if len(data) > limit:
+        raise ValueError(f"is larger than the {limit} bytes a {what} may be")
+
+
+def _size(value: object, what: str) -> int:
+    """A size or count from a record: a non-negative integer, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int | str) or int(value) < 0:
+        raise ValueError(f"{what} {value!r} is not a non-negative integer")
+    return int(value)
+
+
+def _block_size(value: object) -> int:
+    block_size = _size(value, "block size")
+    problem = block_size_problem(block_size)
+    if problem:
+        raise ValueError(f"block size {block_size} {problem}")
+    return block_size
 
 
 class Mode(enum.StrEnum):
@@ -210,8 +257,15 @@ class ChunkRef:
 
     @classmethod
     def from_json(cls, raw: list[Any]) -> ChunkRef:
+        """A chunk entry; ValueError when its sizes are outside the format's limits
+        (checked before anything is allocated by them)."""
         cid, size, stored, codec, blocks = raw
-        return cls(str(cid), int(size), int(stored), str(codec), tuple(blocks))
+        raw_size, stored_size = _size(size, "raw size"), _size(stored, "stored size")
+        ref = cls(str(cid), raw_size, stored_size, str(codec), tuple(blocks))
+        problem = chunk_size_problem(ref.size, ref.stored_size)
+        if problem:
+            raise ValueError(f"chunk {ref.id[:64]!r} {problem}")
+        return ref
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -226,7 +280,9 @@ class FileEntry:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> FileEntry:
-        return cls(int(raw["size"]), tuple(ChunkRef.from_json(c) for c in raw["chunks"]))
+        return cls(
+            _size(raw["size"], "file size"), tuple(ChunkRef.from_json(c) for c in raw["chunks"])
+        )
 
 
 def rank_manifest_key(digest: str) -> str:
@@ -278,7 +334,7 @@ class RankRef:
         return cls(
             int(raw["rank"]),
             str(raw["manifest"]),
-            {str(k): int(v) for k, v in raw["files"].items()},
+            {str(k): _size(v, "file size") for k, v in raw["files"].items()},
             int(raw.get("uploaded_bytes", 0)),
             int(raw.get("deduplicated_bytes", 0)),
         )
@@ -308,6 +364,7 @@ class RankManifest:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RankManifest:
+        check_object_size(data, MAX_RANK_MANIFEST_BYTES, "rank manifest")
         raw = json.loads(data)
         if raw.get("format") != RANK_FORMAT:
             raise ValueError("not a ctj rank manifest")
@@ -317,7 +374,7 @@ class RankManifest:
             step=int(raw["step"]),
             rank=int(raw["rank"]),
             save=SaveIdentity.from_json(raw["save"]),
-            block_size=int(raw["block_size"]),
+            block_size=_block_size(raw["block_size"]),
             files={str(k): FileEntry.from_json(v) for k, v in raw["files"].items()},
         )
 
@@ -328,6 +385,7 @@ def open_rank_manifest(
     """The chunk lists of the rank manifest ``ref`` names, from its bytes; ValueError (the
     reason) unless they hash to ``ref.digest``, parse, and are that rank's of that save,
     with exactly the files and sizes the manifest gives (``block_size`` None: any)."""
+    check_object_size(data, MAX_RANK_MANIFEST_BYTES, "rank manifest")
     if rank_digest(data) != ref.digest:
         raise ValueError("fails its hash check")
     try:
@@ -564,7 +622,12 @@ class Manifest:
         cls, data: bytes, *, fetch: Fetch | None = None, check: EntryCheck | None = None
     ) -> Manifest:
         """Parse a manifest of any version. A version 3 one reads its rank manifests through
-        ``fetch`` when they are needed (``check`` sees each chunk list it loads)."""
+        ``fetch`` when they are needed (``check`` sees each chunk list it loads).
+
+        ValueError for anything malformed, and for sizes and counts outside the format's
+        limits: a manifest larger than MAX_MANIFEST_BYTES, a block size out of range, a
+        world size larger than the manifest's own bytes can list."""
+        check_object_size(data, MAX_MANIFEST_BYTES, "manifest")
         raw = json.loads(data)
         if raw.get("format") != FORMAT:
             raise ValueError("not a ctj checkpoint manifest")
@@ -573,13 +636,13 @@ class Manifest:
                 f"manifest format version {raw['version']} is newer than this ctj "
                 f"understands ({FORMAT_VERSION}): upgrade ctj"
             )
-        step, block_size = int(raw["step"]), int(raw["block_size"])
-        world_size = int(raw["world_size"])
+        step, block_size = int(raw["step"]), _block_size(raw["block_size"])
+        world_size = _world_size(raw["world_size"], len(data), inline="ranks" not in raw)
         save = SaveIdentity.from_json(raw["save"]) if raw.get("save") else None
         files: Mapping[str, FileEntry]
         if "ranks" in raw:
             refs = tuple(RankRef.from_json(r) for r in raw["ranks"])
-            if [r.rank for r in refs] != list(range(world_size)):
+            if len(refs) != world_size or any(r.rank != i for i, r in enumerate(refs)):
                 raise ValueError(f"its ranks are not exactly 0..{world_size - 1}")
             if save is None:
                 raise ValueError("a version 3 manifest names no save")
@@ -605,6 +668,19 @@ class Manifest:
             versions={k: str(v) for k, v in raw.get("versions", {}).items()},
             save=save,
         )
+
+
+def _world_size(value: object, nbytes: int, *, inline: bool) -> int:
+    """A manifest's world size, bounded by what its ``nbytes`` can list: a version 3
+    manifest names each rank (MIN_RANK_REF_BYTES at least), an inline one lists each
+    rank's tensor file (MIN_FILE_ENTRY_BYTES at least); ValueError beyond that."""
+    world_size = _size(value, "world size")
+    most = nbytes // (MIN_FILE_ENTRY_BYTES if inline else MIN_RANK_REF_BYTES)
+    if world_size > most:
+        raise ValueError(
+            f"claims {world_size} ranks, more than its {nbytes} bytes can list (at most {most})"
+        )
+    return world_size
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -671,10 +747,11 @@ class RankPart:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RankPart:
+        check_object_size(data, MAX_PART_BYTES, "part")
         raw = json.loads(data)
         inline = None
         if "manifest" in raw:
-            sizes = {str(k): int(v) for k, v in raw["files"].items()}
+            sizes = {str(k): _size(v, "file size") for k, v in raw["files"].items()}
         else:  # version 2: the chunk lists themselves
             inline = {str(k): FileEntry.from_json(v) for k, v in raw["files"].items()}
             sizes = {k: f.size for k, f in inline.items()}
