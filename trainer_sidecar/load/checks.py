@@ -11,7 +11,9 @@ file written outside an export directory.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import pickletools
 import re
 from collections.abc import Mapping
 
@@ -26,8 +28,18 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import NoCheckpointError, ObjectNotFound, UnsafeCheckpointError
-from ..format.manifest import Codec, FileEntry, Manifest, RankFiles, manifest_key
-from ..store.base import ObjectStore
+from ..format.chunking import block_size_problem, chunk_size_problem
+from ..format.manifest import (
+    MAX_MANIFEST_BYTES,
+    MAX_RANK_MANIFEST_BYTES,
+    METADATA_FILE,
+    Codec,
+    FileEntry,
+    Manifest,
+    RankFiles,
+    manifest_key,
+)
+from ..store.base import ObjectStore, bounded_reader, read_bounded
 
 _CHUNK_ID = re.compile(r"[0-9a-f]{64}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -56,8 +68,8 @@ def read_manifest(store: ObjectStore, step: int) -> Manifest:
     A version 3 manifest's rank manifests are read later, each only when a file of its
     rank is first needed, and checked then (hash, parse, then as here): a bad one makes
     that read raise a CorruptCheckpointError, which restore skips like a corrupt chunk."""
-    try:
-        data = store.get(manifest_key(step))
+    try:  # at most MAX_MANIFEST_BYTES (+1: Manifest.from_bytes refuses a larger one)
+        data = read_bounded(store, manifest_key(step), MAX_MANIFEST_BYTES)
     except ObjectNotFound:
         raise NoCheckpointError(f"no committed checkpoint at step {step}") from None
     try:
@@ -72,23 +84,27 @@ def read_manifest(store: ObjectStore, step: int) -> Manifest:
 
 def bind(store: ObjectStore, manifest: Manifest) -> Manifest:
     """``manifest`` reading its rank manifests from ``store``, each checked as it loads
-    (for a copy another rank sent: what travels carries no store). One already reading
-    from a store is returned as it is, with what it has loaded."""
+    (for a copy another rank sent: what travels carries no store), each read bounded by
+    MAX_RANK_MANIFEST_BYTES. One already reading from a store is returned as it is, with
+    what it has loaded."""
     if not isinstance(manifest.files, RankFiles) or manifest.files.has_store:
         return manifest
     return manifest.bound(
-        store.get, functools.partial(check_entry, step=manifest.step, bs=manifest.block_size)
+        bounded_reader(store, MAX_RANK_MANIFEST_BYTES),
+        functools.partial(check_entry, step=manifest.step, bs=manifest.block_size),
     )
 
 
 def check_manifest(manifest: Manifest, *, entries: bool = True) -> None:
-    """Raise UnsafeCheckpointError unless every file is a plain name whose chunks add up
-    to its size, each chunk a BLAKE3 id with one digest per block. ``entries=False``
-    checks the names alone (a version 3 manifest: its chunk lists are checked as they
-    load); with entries, a version 3 manifest reads every rank manifest."""
+    """Raise UnsafeCheckpointError unless the block size is in the format's range and every
+    file is a plain name whose chunks add up to its size, each chunk a BLAKE3 id within
+    the format's size limits with one digest per block. ``entries=False`` checks the
+    names alone (a version 3 manifest: its chunk lists are checked as they load); with
+    entries, a version 3 manifest reads every rank manifest."""
     step, bs = manifest.step, manifest.block_size
-    if bs <= 0 or bs & (bs - 1):
-        raise UnsafeCheckpointError(step, "the manifest", f"has block size {bs}")
+    problem = block_size_problem(bs)
+    if problem:
+        raise UnsafeCheckpointError(step, "the manifest", f"has block size {bs}, which {problem}")
     for name in manifest.files:
         check_file_name(name, step=step)
     if entries:
@@ -97,8 +113,15 @@ def check_manifest(manifest: Manifest, *, entries: bool = True) -> None:
 
 
 def check_entry(name: str, entry: FileEntry, *, step: int, bs: int) -> None:
-    """One file's chunk list: a plain name, chunks that add up, ids and digests well-formed."""
+    """One file's chunk list: a plain name, chunks within the format's size limits that add
+    up, ids and digests well-formed."""
     check_file_name(name, step=step)
+    for c in entry.chunks:
+        problem = chunk_size_problem(c.size, c.stored_size)
+        if problem:
+            raise UnsafeCheckpointError(
+                step, f"file {name}", f"has a chunk {c.id!r} that {problem}"
+            )
     if sum(c.size for c in entry.chunks) != entry.size:
         raise UnsafeCheckpointError(step, f"file {name}", "has chunks that do not add up")
     for c in entry.chunks:
@@ -181,6 +204,7 @@ def check_metadata(metadata: Metadata, *, step: int, file_sizes: Mapping[str, in
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         raise bad("has no storage_data")
+    placed: dict[str, list[tuple[int, int, str]]] = {}
     for index, value in storage.items():
         if not (
             isinstance(index, MetadataIndex)
@@ -200,12 +224,64 @@ def check_metadata(metadata: Metadata, *, step: int, file_sizes: Mapping[str, in
             raise bad(f"places {index.fqn!r} in {name!r}, a file the checkpoint does not have")
         if offset + length > file_sizes[name]:
             raise bad(f"places {index.fqn!r} past the end of {name}")
+        if length:
+            placed.setdefault(name, []).append((offset, offset + length, index.fqn))
         if isinstance(described, TensorStorageMetadata):
             chunk = _chunk_of(described, index)
             if chunk is None:
                 raise bad(f"stores a chunk of {index.fqn!r} it does not describe")
             if length != math.prod(chunk.sizes) * itemsize[index.fqn]:
                 raise bad(f"gives a chunk of {index.fqn!r} a length its shape does not have")
+    overlap = _overlap(placed)
+    if overlap:
+        raise bad(overlap)
+
+
+def _overlap(placed: Mapping[str, list[tuple[int, int, str]]]) -> str | None:
+    """What overlaps, when two items share bytes of a file (``placed``: each file's items as
+    ``(start, end, fqn)``). A writer lays items end to end, so the items of a checkpoint
+    add up to at most its files' sizes; overlapping ones would let a small ``.metadata``
+    make a reader fetch and decode one file's bytes once per item."""
+    for name, spans in placed.items():
+        spans.sort()
+        for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+            if start < end:
+                return f"places {first!r} and {second!r} on the same bytes of {name}"
+    return None
+
+
+# pickle opcodes that store into the memo at an index the pickle gives
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def check_pickle(data: bytes, *, step: int, what: str = METADATA_FILE) -> None:
+    """Raise UnsafeCheckpointError unless every count in the pickle ``data`` is bounded by
+    its own bytes, before the C unpickler trusts them (``pickle_problem``)."""
+    problem = pickle_problem(data)
+    if problem:
+        raise UnsafeCheckpointError(step, what, f"does not unpickle as DCP metadata ({problem})")
+
+
+def pickle_problem(data: bytes) -> str | None:
+    """What in the pickle ``data`` claims more than its bytes hold, or makes it no pickle;
+    None when nothing does. Each memo index must be at most the number of objects
+    memoized before it (the C unpickler sizes its memo to twice the largest index and
+    clears it: a 12-byte pickle naming index 2**31 costs 32 GiB), and each counted
+    argument (bytes, strings, frames, longs) must lie inside the data (the C unpickler
+    allocates what the count says first). One pass over the opcodes (pickletools.genops,
+    which reads nothing the data does not hold)."""
+    stored = 0
+    try:
+        for op, arg, pos in pickletools.genops(data):
+            if op.name in _MEMO_PUTS:
+                if not isinstance(arg, int) or not 0 <= arg <= stored:
+                    return f"memo entry {arg!r} at byte {pos}, after {stored} entries"
+                stored += 1
+            elif op.name == "MEMOIZE":
+                stored += 1
+    except Exception as exc:  # noqa: BLE001 - genops: an unknown opcode, a count past the end
+        return f"not a well-formed pickle: {exc}"
+    return None
 
 
 def _chunk_of(md: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata | None:

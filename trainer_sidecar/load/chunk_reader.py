@@ -20,9 +20,9 @@ import numpy.typing as npt
 
 from ..errors import CorruptCheckpointError, ObjectNotFound
 from ..format import codecs
-from ..format.chunking import blocks_for_range, blocks_match
+from ..format.chunking import blocks_for_range, blocks_match, max_stored_size
 from ..format.manifest import ChunkRef, FileEntry, Manifest
-from ..store.base import ObjectStore
+from ..store.base import ObjectStore, read_bounded
 from .tiers import ChunkTiers, Tier
 
 
@@ -108,25 +108,42 @@ class ChunkReader:
         return memoryview(data)[start - a : end - a]
 
     def _from_store(self, chunk: ChunkRef, start: int, end: int) -> tuple[bytes, int]:
-        """(verified raw bytes [a, b) covering [start, end), a) read from the store."""
+        """(verified raw bytes [a, b) covering [start, end), a) read from the store. Never
+        more than the chunk's stored form can be (``max_stored_size`` of its raw size, at
+        most the format's maximum chunk size): an object larger than its record says is
+        refused after that many bytes, and a record claiming more than its object holds
+        costs what the object holds."""
         bs = self.manifest.block_size
+        step = self.manifest.step
         try:
             if not codecs.is_ranged(chunk.codec):  # compressed: read whole, decoded bounded
                 a, b = 0, chunk.size
-                raw = self.store.get(chunk.key)
+                most = max_stored_size(chunk.size)
+                raw = read_bounded(self.store, chunk.key, most)
                 self._count(len(raw), Tier.STORE)
+                if len(raw) > most:
+                    raise CorruptCheckpointError(
+                        step,
+                        chunk.id,
+                        f"is more than {most} bytes, the most {chunk.size} raw bytes are stored in",
+                    )
                 data = codecs.decode(raw, chunk.codec, size=chunk.size)
             else:
                 a, b = blocks_for_range(start, end, chunk.size, bs) if chunk.size else (0, 0)
                 whole = a == 0 and b == chunk.size
-                data = self.store.get(chunk.key, byte_range=None if whole else (a, b))
+                if whole:  # one byte more than its size tells a larger object from it
+                    data = read_bounded(self.store, chunk.key, chunk.size)
+                else:
+                    data = self.store.get(chunk.key, byte_range=(a, b))
                 self._count(len(data), Tier.STORE)
         except ObjectNotFound:
-            raise CorruptCheckpointError(self.manifest.step, chunk.id, "is missing") from None
+            raise CorruptCheckpointError(step, chunk.id, "is missing") from None
         except codecs.CodecError as exc:
-            raise CorruptCheckpointError(self.manifest.step, chunk.id, str(exc)) from None
-        if len(data) != b - a:
-            raise CorruptCheckpointError(self.manifest.step, chunk.id, "is truncated")
+            raise CorruptCheckpointError(step, chunk.id, str(exc)) from None
+        if len(data) > b - a:
+            raise CorruptCheckpointError(step, chunk.id, f"is larger than its {chunk.size} bytes")
+        if len(data) < b - a:
+            raise CorruptCheckpointError(step, chunk.id, "is truncated")
         if not self._verified(chunk, data, a):
             raise CorruptCheckpointError(self.manifest.step, chunk.id, "fails its hash check")
         return data, a

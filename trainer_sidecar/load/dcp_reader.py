@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import UnsafeCheckpointError
-from ..format.manifest import METADATA_FILE
-from .checks import check_metadata, storage_location
+from ..format.manifest import MAX_METADATA_BYTES, METADATA_FILE
+from .checks import check_metadata, check_pickle, storage_location
 from .chunk_reader import ChunkReader
 from .safe_pickle import load_metadata
 
@@ -77,13 +77,22 @@ def layout_of(layouts: dict[MetadataIndex, TensorLayout], index: MetadataIndex) 
 
 
 def read_checked_metadata(reader: ChunkReader) -> Metadata:
-    """The checkpoint's DCP metadata: fetched verified, unpickled by the allow-list, and
-    checked against its manifest. Raises CorruptCheckpointError (UnsafeCheckpointError
-    among them) for a checkpoint that has none, or one that is unusable."""
+    """The checkpoint's DCP metadata: at most MAX_METADATA_BYTES, fetched verified, its
+    counts checked against its own bytes (checks.check_pickle), unpickled by the
+    allow-list, and checked against its manifest. Raises CorruptCheckpointError
+    (UnsafeCheckpointError among them) for a checkpoint that has none, or one that is
+    unusable."""
     manifest = reader.manifest
     if METADATA_FILE not in manifest.files:
         raise UnsafeCheckpointError(manifest.step, METADATA_FILE, "is missing from the manifest")
-    metadata = load_metadata(reader.read_file(METADATA_FILE), step=manifest.step)
+    size = manifest.file_sizes()[METADATA_FILE]
+    if size > MAX_METADATA_BYTES:
+        raise UnsafeCheckpointError(
+            manifest.step, METADATA_FILE, f"is {size} bytes, more than {MAX_METADATA_BYTES}"
+        )
+    data = reader.read_file(METADATA_FILE)
+    check_pickle(data, step=manifest.step)
+    metadata = load_metadata(data, step=manifest.step)
     sizes = {n: size for n, size in manifest.file_sizes().items() if n != METADATA_FILE}
     check_metadata(metadata, step=manifest.step, file_sizes=sizes)
     return metadata
