@@ -108,6 +108,18 @@ def _replicator(parts: Parts) -> Replicator | None:
     )  # fmt: skip
 
 
+def _start_up_failed() -> None:
+    """What reading the latest commit at start-up does on anything but a store not there
+    yet: what a bucket writer stored (a record no check refused, a MemoryError parsing
+    it) or a bug. Retrying would meet it again and exiting would crash-loop the pod, and
+    with it every later save; so the sidecar says so loudly and persists anyway. Only the
+    trainer's hint is lost (state.json): it plans its next save from the store itself."""
+    log.exception(
+        "cannot read the latest committed checkpoint at start-up; persisting anyway "
+        "(the trainer plans its next save from the store)"
+    )
+
+
 def run(
     config: CheckpointConfig,
     *,
@@ -177,6 +189,9 @@ def run(
                     log.error("%s (retrying)", exc)
                     stop.wait(delay)
                     delay = min(delay * 2, 10.0)
+                except Exception:  # noqa: BLE001 - see _start_up_failed
+                    _start_up_failed()
+                    ready.set()
             started = time.monotonic()
             persister.run(stop, grace_s=grace_s)
         finally:
