@@ -22,6 +22,9 @@ One trial:
    there; ``checkpoints verify --all`` passes; ``gc --grace 0`` leaves exactly the chunks
    the manifests name and no parts; everything still verifies and loads.
 
+Through both attempts, gc runs back to back beside the job (``ConcurrentGc``, a grace of
+GC_GRACE_S): what it deletes of a save in flight, the gc fence makes the save store again.
+
     python -m pytest tests/integration/test_chaos.py               # 20 trials
     CTJ_CHAOS_TRIALS=200 python -m pytest tests/integration/test_chaos.py
     CTJ_CHAOS_SEED=1234 python -m pytest tests/integration/test_chaos.py -s   # one trial
@@ -46,6 +49,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -83,6 +87,9 @@ pytestmark = [
 # small chunks (and blocks, which a chunk size must be a multiple of): a rank's part of a
 # save is a dozen or more chunks, so its upload spans a while and overlaps the others'
 CHUNK_SIZE = 65536
+# gc beside the job deletes a save's uploads older than this that nothing names yet (the
+# fence has the save store them again); its parts must outlive the wait for every rank's
+GC_GRACE_S = 5.0
 
 _FORK = multiprocessing.get_context("forkserver")
 _FORK.set_forkserver_preload(["tests.integration.chaos_worker"])
@@ -573,6 +580,46 @@ class Location:
             raise ChaosFailure("verify", f"checkpoints verify --all exited {rc} ({when})")
 
 
+class ConcurrentGc:
+    """gc beside both attempts, back to back, on its own client (as an operator's
+    ``ctj checkpoints gc`` would run, or a rank 0 after a commit that retired one), with a
+    grace of GC_GRACE_S: a save's uploads older than that are fair game, and only the gc
+    fence (store/gc_fence.py) keeps what a save names. It must never cost a commit."""
+
+    def __init__(self, uri: str) -> None:
+        self.store = open_store(uri, S3Settings.from_env())
+        self.stop = threading.Event()
+        self.runs = self.deleted = 0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="concurrent-gc", daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            try:
+                report = repo.collect_garbage(self.store, grace_s=GC_GRACE_S)
+            except BaseException as exc:  # noqa: BLE001 - the trial reports it
+                self.error = exc
+                return
+            self.runs += 1
+            self.deleted += report.deleted_chunks + report.deleted_rank_manifests
+            self.stop.wait(0.2)  # the pace between runs, not a wait for anything
+
+    def __enter__(self) -> ConcurrentGc:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(120)
+
+    def figures(self) -> dict[str, int]:
+        if self.error is not None:
+            raise ChaosFailure("gc", f"gc beside the job failed: {self.error!r}")
+        if self.thread.is_alive():
+            raise ChaosFailure("hang", "gc beside the job did not stop within 120s")
+        return {"runs": self.runs, "deleted": self.deleted}
+
+
 # -- one trial -------------------------------------------------------------------------------
 
 
@@ -799,15 +846,17 @@ def run_trial(sc: Scenario, uri: str, tmp: Path, jobs: list[Job]) -> dict[str, A
     first.wait_sidecars_ready()
     second.wait_sidecars_ready()
     phases = {"sidecars": time.monotonic() - first.started}
-    first.start_trainers()
-    figures = run_attempt1(sc, first, where)
-    phases["attempt_1"] = time.monotonic() - first.started
-    seen1 = reports(first.trainers[0].text())
+    with ConcurrentGc(uri) as gc:
+        first.start_trainers()
+        figures = run_attempt1(sc, first, where)
+        phases["attempt_1"] = time.monotonic() - first.started
+        seen1 = reports(first.trainers[0].text())
 
-    second.start_trainers()
-    second.wait_trainers(timeout=180)
-    second.stop_sidecars()
-    phases["attempt_2"] = time.monotonic() - second.started
+        second.start_trainers()
+        second.wait_trainers(timeout=180)
+        second.stop_sidecars()
+        phases["attempt_2"] = time.monotonic() - second.started
+    figures["gc"] = gc.figures()
     text2 = second.trainers[0].text()
     loaded = re.search(r"^LOADED (\S+)", text2, re.M)
     seen2 = reports(text2)

@@ -10,7 +10,8 @@ rules G1-G3 and S1-S4 this module implements):
     gc/<run>/sweep        G1: every chunk and rank manifest the run may delete, stored
                           before it reads the holds and before its first delete
     holds/<save>.<rank>   S2: every chunk a save's rank names, stored before that save
-                          reads the runs; G2: a run deletes nothing a hold names
+                          reads the runs; G2: a run deletes nothing a hold younger than
+                          the grace names
     gc/<run>/done         G3: written once every delete was acknowledged; a run sends no
                           delete later than BUDGET_S after its sweep
 
@@ -174,12 +175,13 @@ class GcRun:
         return self.deleted
 
     def _holds(self, *, now: float, grace_s: float) -> tuple[set[str], list[str]]:
-        """What the holds of saves in flight name, and the holds older than the grace (their
-        saves are long gone: a save that stores its part drops its hold)."""
+        """What the holds of saves in flight name, and the holds past the grace, as old as
+        a save's uploads gc deletes anyway (their saves are gone: a save that stores its
+        part drops its hold a moment after it wrote it)."""
         held: set[str] = set()
         stale = []
         for info in self._store.list(HOLDS):
-            if now - info.last_modified > max(grace_s, BUDGET_S + DELIVERY_S):
+            if now - info.last_modified >= grace_s:
                 stale.append(info.key)
                 continue
             try:
