@@ -388,8 +388,12 @@ class Checkpointer:
 
         Returns None when there is none. A checkpoint that is corrupt, unreadable or
         unsafe is skipped with a warning, and the previous one is tried.
+
+        A run that loaded has resumed from what this location holds (the newest usable
+        checkpoint, or the one it asked for): its saves are not refused for the steps
+        above (a fallback past a corrupt newest one must still save).
         """
-        return restore(
+        result = restore(
             self.store,
             model=model,
             optimizer=optimizer,
@@ -403,3 +407,5 @@ class Checkpointer:
             group=self.group,
             tiers=self._parts.tiers(),
         )
+        self._start_checked = True  # resumed (collective: every rank got here)
+        return result

@@ -79,3 +79,21 @@ def test_every_rank_is_refused_alike(s3_uri: str) -> None:
         store = old.store
     run_ranks(2, "tests.integration.test_start_step:refused_on_every_rank", {"uri": s3_uri})
     assert repo.committed_steps(store) == [500, 501]
+
+
+def test_a_run_that_fell_back_past_a_corrupt_newest_checkpoint_still_saves(s3_uri: str) -> None:
+    """load() skipped steps 20 and 30 (corrupt) for step 10: the run resumed from there, so
+    its next save (11) is not refused for the steps above it."""
+    config = CheckpointConfig(uri=s3_uri, mode="full", keep_last=0)
+    with Checkpointer(config) as old:
+        for step in (10, 20, 30):
+            old.save(step, model=model(0)).result()  # type: ignore[union-attr]
+        store = old.store
+    for step in (20, 30):
+        key = repo.read_manifest(store, step).ranks[0].key
+        store.put(key, store.get(key) + b" ")  # its rank manifest fails its hash check
+    with Checkpointer(config) as resumed:
+        net = model(1)
+        restored = resumed.load(model=net)
+        assert restored is not None and restored.step == 10
+        assert resumed.save(11, model=net).result().step == 11  # type: ignore[union-attr]
