@@ -157,7 +157,6 @@ class SaveProtocol:
         self.metrics = metrics
         self._layout: Layout | None = None  # the last planned save's, reused
         self._metadata_blob: tuple[tuple[Any, ...], bytes] | None = None  # (values' places, pickle)
-        self._checked_behind = False  # rank 0: _warn_if_behind ran
 
     def stage(self, step: int, state: dict[str, Any], *, started: float) -> StagedSave | None:
         """Collective: copy ``state`` into this rank's slot; None if the save is skipped.
@@ -254,32 +253,10 @@ class SaveProtocol:
                     latest=self._latest(step),
                     save=SaveIdentity.new(self.config.attempt),
                 )
-                self._warn_if_behind(step)
             except Exception as exc:  # noqa: BLE001 - raised on every rank by decide()
                 error = exc
         report = SaveReport(self.rank, slot_state, reuse, tuple(placed), plan, error)
         return report, blobs
-
-    def _warn_if_behind(self, step: int) -> None:
-        """On the first save: warn when saving below the newest checkpoint at this location
-        (a run restarted without load): retention would remove the new ones at once."""
-        if self._checked_behind:
-            return
-        self._checked_behind = True
-        try:
-            steps = repository.committed_steps(self.store)
-        except Exception as exc:  # noqa: BLE001 - only a warning: never fail a save for it
-            log.debug("could not list checkpoints to compare steps: %s", exc)
-            return
-        if steps and steps[-1] > step:
-            log.warning(
-                "saving step %d below the newest checkpoint at %s (step %d): retention keeps "
-                "the highest steps, so this run's checkpoints may be removed as soon as they "
-                "commit. Load before training, or use a new URI for a new run.",
-                step,
-                self.config.uri,
-                steps[-1],
-            )
 
     def _copy_in_layout(
         self, slot: Path, planner: Any, blobs: list[memoryview]
