@@ -105,5 +105,3 @@ def new_job(
         return create_job(op_cluster, job_namespace, job)
 
     return create
-
-
