@@ -149,6 +149,22 @@ def test_a_chunk_record_claiming_sizes_beyond_the_format_is_refused(
         Manifest.from_bytes(encoded(body))
 
 
+def test_a_writer_never_cuts_a_chunk_larger_than_its_chunk_size() -> None:
+    """Bytes no item covers (all of .metadata) were packed whole: a .metadata over 64 MiB
+    became one chunk every reader now refuses."""
+    from trainer_sidecar.format.chunking import Span, plan_chunks
+
+    limit = 64 * MIB  # MAX_CHUNK_SIZE (the test above)
+    for items, size in (
+        ([], 3 * limit + 5),  # .metadata
+        ([Span(0, 10), Span(limit + 10, 10)], limit + 20),  # a gap
+    ):
+        chunks = plan_chunks(items, file_size=size, chunk_size=limit)
+        assert max(c.length for c in chunks) <= limit
+        assert sum(c.length for c in chunks) == size
+        assert all(a.end == b.offset for a, b in zip(chunks, chunks[1:], strict=False))
+
+
 def test_a_chunk_of_the_maximum_size_is_accepted() -> None:
     ref = ChunkRef.from_json(chunk_json(64 * MIB, stored=64 * MIB + 64 * MIB // 256, codec="zstd"))
     assert ref.size == 64 * MIB

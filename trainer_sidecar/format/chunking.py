@@ -80,8 +80,10 @@ def plan_chunks(
 ) -> list[Span]:
     """Chunk boundaries for a file whose items are laid end to end from offset 0.
 
-    Bytes not covered by an item (there should be none) are packed like a small item,
-    so the chunks always cover the whole file exactly once.
+    Bytes not covered by an item (a file with no items, such as ``.metadata``) are cut
+    like an item of their own, so the chunks always cover the whole file exactly once,
+    and no chunk is ever larger than ``chunk_size`` (at most MAX_CHUNK_SIZE: what a
+    reader accepts).
     """
     if not 0 < pack_size <= chunk_size:
         raise ValueError("pack_size must be positive and at most chunk_size")
@@ -103,23 +105,26 @@ def plan_chunks(
         if pack_start is None:
             pack_start = start
 
+    def add(start: int, end: int) -> None:
+        """An item, or bytes no item covers (a file without items: ``.metadata``)."""
+        if end - start <= pack_size:
+            add_small(start, end)
+            return
+        flush(start)
+        while start < end:
+            length = min(chunk_size, end - start)
+            chunks.append(Span(start, length))
+            start += length
+
     for span in spans:
         if span.offset < pos:
             raise ValueError(f"overlapping items at offset {span.offset}")
-        if span.offset > pos:  # a gap: treat as a small filler
-            add_small(pos, span.offset)
-        if span.length > pack_size:
-            flush(span.offset)
-            start = span.offset
-            while start < span.end:
-                length = min(chunk_size, span.end - start)
-                chunks.append(Span(start, length))
-                start += length
-        else:
-            add_small(span.offset, span.end)
+        if span.offset > pos:  # a gap: cut like an item
+            add(pos, span.offset)
+        add(span.offset, span.end)
         pos = span.end
     if file_size > pos:
-        add_small(pos, file_size)
+        add(pos, file_size)
         pos = file_size
     flush(pos)
     return chunks
