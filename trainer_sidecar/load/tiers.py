@@ -8,6 +8,14 @@ manifest; a tier whose bytes fail is told (its entry dropped) and the next
 tier is tried, so a damaged cache costs a refetch, never a fallback to an
 older checkpoint. Every byte is counted by the tier it came from
 (``ctj_checkpoint_restore_bytes_total{tier}``).
+
+The peers cannot hold a restore up: each request to one has a wall-clock deadline
+and reads no more than it asked for, a peer that misses is not asked again, and
+once the peers have wasted a rank its budget none is asked (one ``PeerCaches`` per
+rank and restore: store/peer_limits.py). Each rank's reads through the tiers are so
+at most ``PeerClientLimits.bound_s`` slower than from the store alone, and a whole
+restore at most ``restore_bound_s`` (12 s per checkpoint tried, with the defaults
+and 8 MiB chunks), whatever the peers do.
 """
 
 from __future__ import annotations
@@ -19,10 +27,26 @@ from collections.abc import Iterable, Iterator
 
 from ..format.manifest import ChunkRef
 from ..store.chunk_cache import ChunkCache
+from ..store.peer_limits import PeerClientLimits
 from ..store.peers import PeerCaches
 
 log = logging.getLogger("ctj.checkpoint")
 
+
+PEER_PHASES = 2
+"""The reads through the tiers that a restore's ranks wait on one after the other, per
+checkpoint tried (load/restore.py): rank 0's of the checkpoint's metadata, which the
+others wait for, then every rank's of its own state, in parallel."""
+
+
+def restore_bound_s(
+    limits: PeerClientLimits, largest_range: int, checkpoints_tried: int = 1
+) -> float:
+    """At most how much longer a restore through the tiers takes than one from the store
+    alone, whatever the peers do. Each rank's peers waste it at most ``limits.bound_s``
+    (``largest_range``: the chunk size, the most a read asks for), and in each phase the
+    ranks wait for the slowest: so at most that per phase."""
+    return PEER_PHASES * checkpoints_tried * limits.bound_s(largest_range)
 
 
 class Tier(enum.StrEnum):
