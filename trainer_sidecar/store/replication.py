@@ -12,11 +12,15 @@ a LAN copy of each new chunk; an incremental save copies only what changed.
 It runs on its own thread, never in the way of a save: only the newest save
 waits for its commit, one that comes meanwhile replaces it; a neighbour that is
 down or lacks a chunk is skipped (the restore's own tiers still fall back to S3).
+Each round asks the neighbour afresh (``round_peers``), with the peer client's
+deadlines (store/peer_limits.py): a neighbour that is slow, silent or sends too
+much misses within its request's deadline, and is not asked again that round.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
@@ -48,6 +52,14 @@ def neighbour_chunks(manifest: Manifest, own: int, pods: int) -> list[ChunkRef]:
             for chunk in manifest.files[name].chunks:
                 chosen.setdefault(chunk.id, chunk)
     return list(chosen.values())
+
+
+def round_peers(peers: PeerCaches) -> PeerCaches:
+    """A fresh client for one round: what the neighbour did in the last one is forgotten
+    (a neighbour that was down may be back). The restore's waste budget does not apply:
+    a round has no other source to fall back on, and it runs beside the job, not in its
+    way; each request's deadline, and dropping a neighbour that misses, bound it."""
+    return peers.renewed(restore_budget_s=math.inf)
 
 
 def replicate(
@@ -118,7 +130,8 @@ class Replicator:
             if manifest is None:
                 continue
             try:
-                n = replicate(manifest, self.cache, self.peers, own=self.own, pods=self.pods)
+                peers = round_peers(self.peers)
+                n = replicate(manifest, self.cache, peers, own=self.own, pods=self.pods)
             except Exception as exc:  # noqa: BLE001 - an optimisation: never the save's failure
                 log.warning("peer replication of step %d failed: %s", step, exc)
                 continue
