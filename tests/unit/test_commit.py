@@ -208,6 +208,17 @@ def test_outcome_of_a_save() -> None:
     assert isinstance(commits.outcome(store, STEP, A2), CommitConflict)
 
 
+def test_an_unreadable_manifest_at_the_step_fails_the_save_instead_of_raising() -> None:
+    """A sidecar restarting with rank 0's slot of a step whose manifest is garbage asks
+    outcome() first: a raise there crash-looped it; the step is taken, the save failed."""
+    store = MemoryStore()
+    store.put(manifest_key(STEP), b'{"format": "ctj-checkpoint", "world_size": "a lot"')
+    failed = commits.outcome(store, STEP, A1)
+    assert isinstance(failed, SaveFailed) and "cannot commit" in str(failed), failed
+    repository.retire(store, [STEP])
+    assert commits.outcome(store, STEP, A1) is None  # a retired one is history: still open
+
+
 def test_a_retired_manifest_answers_only_for_its_own_save() -> None:
     store = MemoryStore()
     store_parts(store, part(A1, 0, 1))

@@ -37,6 +37,7 @@ from ..errors import (
     SaveFailed,
 )
 from ..format.manifest import (
+    MAX_PART_BYTES,
     Manifest,
     PartKey,
     RankFiles,
@@ -51,9 +52,10 @@ from ..format.manifest import (
     rank_manifest_key,
 )
 from ..format.policy import SavePlan
-from .base import ObjectStore
-from .repository import read_manifest
+from .base import ObjectStore, read_bounded
+from .repository import UnreadableManifest, rank_manifests, read_manifest
 
+FAILURE_BYTES = 64 << 10  # a failure marker's reason is a line of text; more is not ours
 log = logging.getLogger(__name__)
 
 
@@ -145,7 +147,7 @@ def failure_reasons(store: ObjectStore, step: int, save: SaveIdentity, who: Iter
     reasons = []
     for name in who:
         try:
-            raw = json.loads(store.get(failure_key(step, save, name)))
+            raw = json.loads(read_bounded(store, failure_key(step, save, name), FAILURE_BYTES))
             reasons.append(f"{name}: {raw.get('reason', '?')}")
         except (ObjectNotFound, ValueError, AttributeError):
             reasons.append(f"{name}: failed")
@@ -168,7 +170,11 @@ def commit(
     """
     prefix = part_prefix(plan.step, plan.save)
     keys = [o.key for o in store.list(prefix) if o.key.endswith(".json")]
-    parts = select_parts((RankPart.from_bytes(store.get(k)) for k in keys), plan, world_size)
+    parts = select_parts(
+        (RankPart.from_bytes(read_bounded(store, k, MAX_PART_BYTES)) for k in keys),
+        plan,
+        world_size,
+    )
     shares = [share_of(store, p, block_size) for p in parts]
     manifest = Manifest(
         step=plan.step,
@@ -179,7 +185,11 @@ def commit(
         world_size=world_size,
         block_size=block_size,
         files=RankFiles(
-            tuple(shares), step=plan.step, save=plan.save, block_size=block_size, fetch=store.get
+            tuple(shares),
+            step=plan.step,
+            save=plan.save,
+            block_size=block_size,
+            fetch=rank_manifests(store),
         ),
         logical_bytes=sum(s.logical_bytes for s in shares),
         uploaded_bytes=sum(p.uploaded_bytes for p in parts),
@@ -233,11 +243,13 @@ def outcome(store: ObjectStore, step: int, save: SaveIdentity) -> Manifest | Sav
         pass
     except SaveFailed as exc:
         return exc
+    except UnreadableManifest as exc:  # the step is taken, by no manifest anyone can read
+        return SaveFailed(f"save of step {step} cannot commit: {exc}")
     try:
         retired = read_manifest(store, step, retired_too=True)
         if retired.save == save:
             return retired
-    except NoCheckpointError:
+    except (NoCheckpointError, UnreadableManifest):
         pass
     state = progress(store, step, save)
     if state.failed:

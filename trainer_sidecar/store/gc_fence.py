@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 
 from ..errors import CheckpointError, ObjectNotFound
-from .base import ObjectInfo, ObjectStore
+from .base import ObjectInfo, ObjectStore, read_bounded
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,9 @@ BUDGET_S = 300.0
 DELIVERY_S = 60.0
 """A delete request sent lands within this long, or never (the fence's one assumption
 about the network: it is what lets a crashed run count as over)."""
+MAX_MARKER_BYTES = 256 << 20
+"""The largest sweep or hold read (a sweep of a million keys is ~80 MiB): more is refused
+unread, like a manifest past its limit (docs/format.md, Limits)."""
 MAX_ROUNDS = 8
 """Rounds of S2-S4 before a save gives up (each round follows a run that deleted one of
 its chunks; more than a few means gc runs back to back with a grace shorter than a save)."""
@@ -121,6 +124,14 @@ def keys_body(keys: Iterable[str]) -> bytes:
     return json.dumps({"keys": sorted(keys)}, separators=(",", ":")).encode()
 
 
+def read_keys(store: ObjectStore, key: str, what: str) -> frozenset[str]:
+    """A sweep's or a hold's keys, read no further than MAX_MARKER_BYTES."""
+    data = read_bounded(store, key, MAX_MARKER_BYTES)
+    if len(data) > MAX_MARKER_BYTES:
+        raise CheckpointError(f"{what} is larger than {MAX_MARKER_BYTES} bytes")
+    return parse_keys(data, what)
+
+
 def parse_keys(data: bytes, what: str) -> frozenset[str]:
     try:
         keys = json.loads(data)["keys"]
@@ -185,9 +196,11 @@ class GcRun:
                 stale.append(info.key)
                 continue
             try:
-                held |= parse_keys(self._store.get(info.key), f"hold {info.key}")
+                held |= read_keys(self._store, info.key, f"hold {info.key}")
             except ObjectNotFound:
                 continue  # dropped meanwhile: its part names the chunks now
+            except CheckpointError as exc:  # never ours: whoever wrote it holds nothing
+                log.warning("gc: %s; it holds nothing", exc)
         return held, stale
 
     def delete_unfenced(self, keys: list[str]) -> None:
@@ -268,9 +281,8 @@ class SaveFence:
 
     def _swept_by(self, run: RunState) -> frozenset[str]:
         try:
-            return parse_keys(
-                self._store.get(marker_key(run.run, Phase.SWEEPING)), f"gc run {run.run}'s sweep"
-            )
+            key = marker_key(run.run, Phase.SWEEPING)
+            return read_keys(self._store, key, f"gc run {run.run}'s sweep")
         except ObjectNotFound:  # forgotten meanwhile: over long ago
             return frozenset()
         except CheckpointError as exc:  # ours are never unreadable; someone else's may be

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ..errors import (
     CheckpointError,
@@ -30,6 +30,9 @@ from ..format import policy
 from ..format.manifest import (
     CHUNKS,
     MANIFESTS,
+    MAX_MANIFEST_BYTES,
+    MAX_PART_BYTES,
+    MAX_RANK_MANIFEST_BYTES,
     PARTS,
     RANKS,
     RETIRED,
@@ -43,7 +46,7 @@ from ..format.manifest import (
     retired_key,
     step_of_manifest_key,
 )
-from .base import ObjectStore
+from .base import ObjectStore, bounded_reader, read_bounded
 from .gc_fence import MARKERS, GcRun, forgettable, runs_in, store_now
 
 log = logging.getLogger(__name__)
@@ -67,18 +70,24 @@ class UnreadableManifest(CheckpointError):
         return type(self), (self.step, self.reason)
 
 
+def rank_manifests(store: ObjectStore) -> Callable[[str], bytes]:
+    """How a manifest fetches its rank manifests: each read no further than the largest
+    one may be (docs/format.md, Limits)."""
+    return bounded_reader(store, MAX_RANK_MANIFEST_BYTES)
+
+
 def read_manifest(store: ObjectStore, step: int, *, retired_too: bool = False) -> Manifest:
     try:
-        data = store.get(manifest_key(step))
+        data = read_bounded(store, manifest_key(step), MAX_MANIFEST_BYTES)
     except ObjectNotFound:
         try:
             if not retired_too:
                 raise
-            data = store.get(retired_key(step))
+            data = read_bounded(store, retired_key(step), MAX_MANIFEST_BYTES)
         except ObjectNotFound:
             raise NoCheckpointError(f"no committed checkpoint at step {step}") from None
     try:
-        return Manifest.from_bytes(data, fetch=store.get)
+        return Manifest.from_bytes(data, fetch=rank_manifests(store))
     except (
         ValueError,
         LookupError,
@@ -131,7 +140,7 @@ def retire(store: ObjectStore, steps: list[int]) -> None:
     """Move manifests to retired/: no longer checkpoints, chunks live for the grace."""
     for step in steps:
         try:
-            data = store.get(manifest_key(step))
+            data = read_bounded(store, manifest_key(step), MAX_MANIFEST_BYTES)
         except ObjectNotFound:
             continue
         store.put(retired_key(step), data)
@@ -164,7 +173,11 @@ def _named_by_part(store: ObjectStore, part: RankPart) -> set[str]:
     share = part.share()
     try:
         files = open_rank_manifest(
-            store.get(share.key), share, step=part.step, save=part.save, block_size=None
+            read_bounded(store, share.key, MAX_RANK_MANIFEST_BYTES),
+            share,
+            step=part.step,
+            save=part.save,
+            block_size=None,
         )
     except (ObjectNotFound, ValueError):
         return {share.key}  # nothing it names can be read: it cannot commit either
@@ -192,7 +205,8 @@ def _mark(store: ObjectStore, *, now: float, grace_s: float) -> _Marked:
             old_retired.append(obj.key)
             continue
         try:
-            retired = Manifest.from_bytes(store.get(obj.key), fetch=store.get)
+            data = read_bounded(store, obj.key, MAX_MANIFEST_BYTES)
+            retired = Manifest.from_bytes(data, fetch=rank_manifests(store))
         except ObjectNotFound:
             continue
         except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -217,7 +231,7 @@ def _mark(store: ObjectStore, *, now: float, grace_s: float) -> _Marked:
         if not parsed.is_part:
             continue
         try:  # possibly in flight: what it names stays
-            part = RankPart.from_bytes(store.get(obj.key))
+            part = RankPart.from_bytes(read_bounded(store, obj.key, MAX_PART_BYTES))
         except (ObjectNotFound, ValueError, KeyError, TypeError):
             continue
         referenced |= _named_by_part(store, part)
