@@ -3,10 +3,12 @@ buckets."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import tempfile
+import tracemalloc
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -130,3 +132,16 @@ def s3_uri(s3_env: dict[str, str]) -> str:
     bucket = f"ctj-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"]).create_bucket(Bucket=bucket)
     return f"s3://{bucket}/jobs/test"
+
+
+@contextlib.contextmanager
+def traced_peak() -> Iterator[list[int]]:
+    """The peak of traced memory (Python objects, numpy, the C unpickler's memo) while the
+    block runs, in the list it yields: what a hostile object's claim costs a reader."""
+    peak: list[int] = []
+    tracemalloc.start()
+    try:
+        yield peak
+    finally:
+        peak.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()

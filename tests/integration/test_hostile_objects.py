@@ -12,12 +12,10 @@ plus a fixed allowance; allocating any claim below (60 MiB at the least) fails t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import struct
-import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ import pytest
 import torch
 import zstandard
 
+from tests.conftest import traced_peak
 from tests.integration.test_safe_loading import (
     blank_extra,
     committed,
@@ -163,17 +162,6 @@ REASONS = {
 
 
 # -- measuring ---------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def traced_peak() -> Iterator[list[int]]:
-    peak: list[int] = []
-    tracemalloc.start()
-    try:
-        yield peak
-    finally:
-        peak.append(tracemalloc.get_traced_memory()[1])
-        tracemalloc.stop()
 
 
 @dataclasses.dataclass

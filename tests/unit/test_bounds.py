@@ -13,13 +13,10 @@ these bounds every test fails on its own assertion.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import pickle
 import struct
-import tracemalloc
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
 )
 
+from tests.conftest import traced_peak
 from trainer_sidecar.config import CheckpointConfig
 from trainer_sidecar.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from trainer_sidecar.format import codecs
@@ -59,19 +57,6 @@ MIB = 1 << 20
 BS = MIB
 SAVE = SaveIdentity("1", "aaaaaaaaaaaaaaaa")
 DIGEST = "ab" * 32
-
-
-@contextlib.contextmanager
-def traced_peak() -> Iterator[list[int]]:
-    """The peak of traced memory (Python objects, numpy, the C unpickler's memo) while the
-    block runs, in the list it yields."""
-    peak: list[int] = []
-    tracemalloc.start()
-    try:
-        yield peak
-    finally:
-        peak.append(tracemalloc.get_traced_memory()[1])
-        tracemalloc.stop()
 
 
 def chunk_json(size: int, *, stored: int | None = None, codec: str = "none") -> list[Any]:
