@@ -857,6 +857,11 @@ def run_trial(sc: Scenario, uri: str, tmp: Path, jobs: list[Job]) -> dict[str, A
         second.stop_sidecars()
         phases["attempt_2"] = time.monotonic() - second.started
     figures["gc"] = gc.figures()
+    figures["gc"]["stored_again"] = sum(  # the fence at work: a save storing a chunk again
+        p.text().count("storing them once more")
+        for job in (first, second)
+        for p in job.participants
+    )
     text2 = second.trainers[0].text()
     loaded = re.search(r"^LOADED (\S+)", text2, re.M)
     seen2 = reports(text2)
