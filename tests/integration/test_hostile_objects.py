@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import struct
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -194,12 +195,19 @@ def cli(*args: str) -> Operation:
     return run
 
 
+def export(uri: str, capsys: pytest.CaptureFixture[str]) -> Outcome:
+    """Step 2 exported as plain DCP into a new directory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return cli("export", str(Path(tmp) / "out"), "--step", "2")(uri, capsys)
+
+
 OPERATIONS: dict[str, Operation] = {
     "load": load,
     "verify": cli("verify", "--all"),
     "show": cli("show", "--step", "2"),
     "ls": cli("ls"),
     "gc": cli("gc", "--dry-run"),
+    "export": export,
 }
 
 
@@ -265,6 +273,11 @@ def test_a_hostile_object_costs_its_own_size_and_is_refused_like_a_corrupt_one(
     show = hostile["show"]
     assert show.rc in (0, 1), (show.out, show.err)
     assert "step 2" in show.out, show.out
+
+    # export: refuses step 2 in one line (the good run exported it)
+    assert good["export"].rc == 0, (good["export"].out, good["export"].err)
+    export_ = hostile["export"]
+    assert export_.rc in (1, 2) and export_.err.strip(), (export_.out, export_.err)
 
     # gc: reads every record; stops without deleting rather than crash (exit 2, one line)
     gc = hostile["gc"]
