@@ -602,7 +602,7 @@ class ConcurrentGc:
                 return
             self.runs += 1
             self.deleted += report.deleted_chunks + report.deleted_rank_manifests
-            self.stop.wait(0.2)  # the pace between runs, not a wait for anything
+            self.stop.wait(1.0)  # the pace between runs (moto serves the job too), not a wait
 
     def __enter__(self) -> ConcurrentGc:
         self.thread.start()
