@@ -25,6 +25,8 @@ from trainer_sidecar.config import default_staging_root
 # of every run: setup, call and teardown of every test, so fixtures count where they run.
 _tier_seconds: defaultdict[str, float] = defaultdict(float)
 _tier_tests: Counter[str] = Counter()
+_file_seconds: defaultdict[str, float] = defaultdict(float)
+SLOWEST_FILES = 15
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -32,6 +34,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
     _tier_seconds[tier] += report.duration
     _tier_tests[tier] += report.when == "call"
+    _file_seconds[report.nodeid.split("::")[0]] += report.duration
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -43,6 +46,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(
             f"{tier:<12} {minutes:3d} min {rest:02d} s  ({_tier_tests[tier]} tests)"
         )
+    # the files, with their module fixtures (a cluster started per module counts here)
+    terminalreporter.section(f"slowest {SLOWEST_FILES} test files")
+    slowest = sorted(_file_seconds.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES]
+    for path, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:7.1f} s  {path}")
 
 
 # the scenario both cluster tiers run asserts what ctj promises: pytest explains those
