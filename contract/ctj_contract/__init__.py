@@ -36,6 +36,27 @@ class Phase(enum.StrEnum):
     FAILED = "Failed"
 
 
+class Condition(enum.StrEnum):
+    """``status.conditions[].type`` of a job (metav1.Condition semantics: each True or False,
+    its lastTransitionTime changed only when its status does, its observedGeneration the
+    spec's generation it was set from). The phases' conditions say what ``status.phase``
+    says, one type each, for ``kubectl wait --for=condition=...`` and health checks."""
+
+    QUEUED = "Queued"
+    """Waiting for nodes to start an attempt on (fewer fit than spec.minReplicas)."""
+    RUNNING = "Running"
+    """An attempt runs."""
+    RESTARTING = "Restarting"
+    """Between attempts: the last one ended (the reason says why), the next not started."""
+    SUCCEEDED = "Succeeded"
+    """Every rank exited 0: final."""
+    FAILED = "Failed"
+    """The job gave up (MaxRestartsExceeded, DeadlineExceeded, InvalidSpec): final."""
+    RESTARTED = "Restarted"
+    """Why the last attempt ended; True from the first restart on (status.restarts and
+    status.nodeRestarts count them)."""
+
+
 # -- labels and annotations ---------------------------------------------------------------
 
 LABEL_JOB = f"{GROUP}/job-name"

@@ -2,11 +2,11 @@
 
 Every verb is idempotent (an object already there, or already gone, is success), so an
 operator killed between two calls converges when it runs the next plan. The job's status
-writes are conditional on the resourceVersion the plan was made from: on a 409 nothing
-after it is sent (``Outcome.stale``) (the plan's first action is a status write
-whenever it creates or deletes; decisions.py). The API's refusal of an attempt's objects
-(a 4xx: admission, quota, an invalid pod) is returned, not raised: the reconcile decides
-what it costs the job.
+writes, and deleting the job itself (its TTL), are conditional on the resourceVersion the
+plan was made from: on a 409 nothing after it is sent (``Outcome.stale``) (the plan's
+first action is a status write whenever it creates or deletes; decisions.py). The API's
+refusal of an attempt's objects (a 4xx: admission, quota, an invalid pod) is returned,
+not raised: the reconcile decides what it costs the job.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ log = logging.getLogger("ctj.operator")
 
 
 class _StaleView(Exception):
-    """A status write was refused (409): the plan was made from an outdated job."""
+    """A status write or the job's deletion was refused (409): the plan was made from an
+    outdated job."""
 
 
 class _Objects(Protocol):
@@ -100,6 +101,16 @@ class _Custom:
             self.group, self.version, namespace, self.plural, name, body
         )
 
+    def delete_if(self, namespace: str, name: str, preconditions: Mapping[str, str]) -> Any:
+        return self.api.delete_namespaced_custom_object(
+            self.group,
+            self.version,
+            namespace,
+            self.plural,
+            name,
+            body={"preconditions": dict(preconditions)},
+        )
+
     def delete(self, namespace: str, name: str, grace_seconds: int | None) -> Any:
         return self.api.delete_namespaced_custom_object(
             self.group, self.version, namespace, self.plural, name
@@ -111,8 +122,11 @@ class _Custom:
         )
 
 
-class _JobStatus(Protocol):
+class _Jobs(Protocol):
+    """The CheckpointedTrainingJobs themselves: their status, and deleting one (its TTL)."""
+
     def patch_status(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any: ...
+    def delete_if(self, namespace: str, name: str, preconditions: Mapping[str, str]) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,7 +134,7 @@ class Api:
     """Each kind's objects, through the API clients made once at start-up (``connect``)."""
 
     kinds: Mapping[Kind, _Objects]
-    jobs: _JobStatus  # the CheckpointedTrainingJobs' status subresource
+    jobs: _Jobs  # the CheckpointedTrainingJobs: their status subresource, deleting one
 
     @classmethod
     def connect(cls, api_client: client.ApiClient) -> Api:
@@ -203,6 +217,16 @@ def _send(call: Call, api: Api, rv: str) -> str:
                 raise _StaleView from exc
             raise
         return str(result["metadata"]["resourceVersion"])
+    if call.verb == Verb.DELETE and call.kind == Kind.JOB:
+        preconditions = {**call.body["preconditions"], "resourceVersion": rv}
+        try:
+            api.jobs.delete_if(ns, name, preconditions)
+        except ApiException as exc:
+            if exc.status == 409:  # changed since read: the next tick decides again
+                raise _StaleView from exc
+            if exc.status != 404:
+                raise
+        return rv
     if call.verb == Verb.EVENT:
         event = call.body
         kopf.event(

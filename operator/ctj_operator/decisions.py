@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ctj_contract import Condition, Phase, rfc3339
+
+from .conditions import enter_phase, find, finished_at, parse_time, set_condition, stamped
 from .spec import JobSpec
 
 MAX_BACKOFF_S = 300.0
@@ -92,6 +94,9 @@ class JobState:
     last_checkpoint: Mapping[str, Any] | None = None
     storage: str | None = None  # the checkpoint location pinned at the first start
     conditions: Sequence[Mapping[str, Any]] = ()
+    observed_generation: int = 0  # the spec generation last acted on
+    selector: str = ""  # the scale subresource's label selector, as written
+    start_time: float | None = None  # when the operator first took the job up
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,6 +116,10 @@ class Observation:
     controller_failure: str = ""
     """Backend pytorchjob: why the Kubeflow controller failed the attempt's PyTorchJob
     ("" while it has not). Read after the pods: they tell a crash from a lost node."""
+    generation: int = 0
+    """The job's metadata.generation as read (0: unknown, nothing is stamped with it)."""
+    selector: str = ""
+    """The label selector of the job's pods (for the scale subresource)."""
 
 
 # ---- the actions a plan is made of (handlers.py applies each) ----
@@ -151,6 +160,15 @@ class RequestCheckpoint:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class DeleteJob:
+    """The finished job itself, past spec.ttlSecondsAfterFinished (its pods, Leases and
+    Secret go with it by their owner references; its checkpoints stay). Sent only if the
+    job is still the one read (uid and resourceVersion as preconditions)."""
+
+    finished_at: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Emit:
     type: str  # Normal | Warning
     reason: str
@@ -175,6 +193,7 @@ Action = (
     | CreateAttempt
     | DeletePods
     | DeleteAttempt
+    | DeleteJob
     | RequestCheckpoint
     | Emit
     | Restarted
@@ -208,25 +227,25 @@ def backoff(spec: JobSpec, restarts: int) -> float:
     return min(MAX_BACKOFF_S, spec.backoff_seconds * (2 ** min(restarts, 16)))
 
 
-def iso(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
-
-
-def conditions(
-    state: JobState, kind: str, reason: str, message: str, now: float, *, restarted: bool = False
+def phase_conditions(
+    obs: Observation, phase: Phase, reason: str, message: str, *, restarted: bool = False
 ) -> list[dict[str, Any]]:
-    """The summary condition (type = phase), replaced on each transition, and ``Restarted``,
-    why the last attempt ended, which outlives the restart itself."""
-    summary = {
-        "type": kind,
-        "status": "True",
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": iso(now),
-    }
+    """The conditions on entering ``phase`` (conditions.py); a restart also sets
+    ``Restarted``, why the last attempt ended, which outlives the restart itself."""
+    found = enter_phase(
+        obs.state.conditions, phase, reason, message, now=obs.now, generation=obs.generation
+    )
     if restarted:
-        return [summary, {**summary, "type": "Restarted"}]
-    return [summary, *(dict(c) for c in state.conditions if c.get("type") == "Restarted")]
+        found = set_condition(
+            found,
+            Condition.RESTARTED,
+            True,
+            reason,
+            message,
+            now=obs.now,
+            generation=obs.generation,
+        )
+    return found
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -363,24 +382,83 @@ def target_size(obs: Observation, suspect: Mapping[str, float]) -> int:
 def decide(obs: Observation) -> Plan:
     state = obs.state
     if state.phase in TERMINAL:
-        # a Failed job runs nothing: e.g. the pods created before one the API rejected
-        running = tuple(
-            p.name
-            for p in obs.pods
-            if state.phase == "Failed"
-            and p.attempt == state.attempt
-            and not p.terminating
-            and p.phase not in TERMINAL
-        )
-        return Plan((*_older(obs), *([DeletePods(running)] if running else [])))
+        return _observed(obs, _finished(obs))
     newer = [p for p in obs.pods if p.attempt > state.attempt]
     if newer:
         return Plan(
             requeue_after=1.0,
             note=f"stale view: pod {newer[0].name} is newer than attempt {state.attempt}",
         )
+    return _observed(obs, _active(obs))
+
+
+def observed(obs: Observation) -> dict[str, Any]:
+    """What status must record of the job as read, whatever the plan: the generation acted
+    on (and every condition re-stamped with it), the scale subresource's selector, and,
+    once, when the operator took the job up (spec.activeDeadlineSeconds counts from it)."""
+    state, update = obs.state, dict[str, Any]()
+    if obs.generation and obs.generation != state.observed_generation:
+        update["observedGeneration"] = obs.generation
+        if state.conditions:
+            update["conditions"] = stamped(state.conditions, obs.generation)
+    if obs.selector and obs.selector != state.selector:
+        update["selector"] = obs.selector
+    if state.start_time is None and state.phase not in TERMINAL:
+        update["startTime"] = rfc3339(obs.now)
+    return update
+
+
+def _observed(obs: Observation, plan: Plan) -> Plan:
+    """``plan`` with ``observed(obs)`` written by its first action (merged into it where
+    that is a status write: the plan's own fields win, being newer)."""
+    update = observed(obs)
+    if not update:
+        return plan
+    first = plan.actions[0] if plan.actions else None
+    if isinstance(first, PatchStatus):
+        merged = PatchStatus({**update, **first.fields})
+        return dataclasses.replace(plan, actions=(merged, *plan.actions[1:]))
+    return dataclasses.replace(plan, actions=(PatchStatus(update), *plan.actions))
+
+
+def _finished(obs: Observation) -> Plan:
+    """A Succeeded or Failed job: deleted once its TTL is over; until then, a Failed job
+    runs nothing (e.g. the pods created before one the API rejected)."""
+    state, ttl = obs.state, obs.spec.ttl_seconds_after_finished
+    finished = finished_at(state.conditions)
+    if ttl is not None and finished is not None and obs.now >= finished + ttl:
+        return Plan((DeleteJob(finished),), note=f"spec.ttlSecondsAfterFinished={ttl} is over")
+    running = tuple(
+        p.name
+        for p in obs.pods
+        if state.phase == "Failed"
+        and p.attempt == state.attempt
+        and not p.terminating
+        and p.phase not in TERMINAL
+    )
+    requeue = None if ttl is None or finished is None else max(0.0, finished + ttl - obs.now)
+    return Plan((*_older(obs), *([DeletePods(running)] if running else [])), requeue_after=requeue)
+
+
+def deadline_passed(obs: Observation) -> str:
+    """Why the job is past spec.activeDeadlineSeconds, or "" (counted from status.startTime,
+    as a Kubernetes Job's; a job not yet started has not used any of it)."""
+    deadline, started = obs.spec.active_deadline_seconds, obs.state.start_time
+    if deadline is None or started is None or obs.now - started < deadline:
+        return ""
+    return (
+        f"the job ran {obs.now - started:.0f}s since {rfc3339(started)}, past "
+        f"spec.activeDeadlineSeconds={deadline}: its pods are removed, its checkpoints kept"
+    )
+
+
+def _active(obs: Observation) -> Plan:
+    state = obs.state
     actions = _older(obs)
     current = [p for p in obs.pods if p.attempt == state.attempt]
+    late = deadline_passed(obs)
+    if late:
+        return _fail(obs, current, "DeadlineExceeded", late, actions)
     if state.attempt == 0 or state.phase == "Restarting":
         return _between_attempts(obs, current, actions)
     if not state.pods_created:  # the operator stopped while creating this attempt
@@ -404,8 +482,8 @@ def decide(obs: Observation) -> Plan:
                 PatchStatus(
                     {
                         "phase": "Succeeded",
-                        "conditions": conditions(
-                            state, "Succeeded", "Completed", "every rank exited 0", obs.now
+                        "conditions": phase_conditions(
+                            obs, Phase.SUCCEEDED, "Completed", "every rank exited 0"
                         ),
                     }
                 ),
@@ -521,23 +599,8 @@ def _end_attempt(
                 f"{ending.message}; giving up after {restarts} restarts "
                 f"(spec.restartPolicy.maxRestarts={spec.max_restarts})"
             )
-            return Plan(
-                (
-                    *actions,
-                    PatchStatus(
-                        {
-                            **update,
-                            "phase": "Failed",
-                            "restarts": restarts,
-                            "conditions": conditions(
-                                state, "Failed", "MaxRestartsExceeded", message, now
-                            ),
-                        }
-                    ),
-                    *_teardown(obs, current),
-                    Emit("Warning", "MaxRestartsExceeded", message),
-                )
-            )
+            update["restarts"] = restarts
+            return _fail(obs, current, "MaxRestartsExceeded", message, actions, update)
         not_before = now + backoff(spec, restarts)
         restarts += 1
     elif ending.cause is Cause.NODE:
@@ -562,8 +625,8 @@ def _end_attempt(
             "transition": None,
             "suspectNodes": suspect_patch(state.suspect, suspect),
             "sizeCap": ending.size_cap,
-            "conditions": conditions(
-                state, "Restarting", ending.reason, ending.message, now, restarted=True
+            "conditions": phase_conditions(
+                obs, Phase.RESTARTING, ending.reason, ending.message, restarted=True
             ),
         }
     )
@@ -578,6 +641,26 @@ def _end_attempt(
             PatchStatus({"tornDown": True}),
         ),
         requeue_after=1.0,
+    )
+
+
+def _fail(
+    obs: Observation,
+    current: Sequence[PodView],
+    reason: str,
+    message: str,
+    actions: list[Action],
+    update: Mapping[str, Any] | None = None,
+) -> Plan:
+    """The job gives up: Failed (final), the attempt's pods removed, its checkpoints kept."""
+    failed = {
+        **(update or {}),
+        "phase": "Failed",
+        "conditions": phase_conditions(obs, Phase.FAILED, reason, message),
+    }
+    teardown = _teardown(obs, current) if obs.state.attempt else []
+    return Plan(
+        (*actions, PatchStatus(failed), *teardown, Emit("Warning", reason, message)),
     )
 
 
@@ -643,14 +726,19 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
         message = f"{fits} nodes can run a rank; the job needs at least {spec.min_replicas}"
         if obs.rejected:
             message += f" ({obs.rejected})"
-        first = state.conditions[0] if state.conditions else {}
-        if first.get("reason") != "InsufficientNodes" or first.get("message") != message:
+        queued = find(state.conditions, Condition.QUEUED) or {}
+        if (queued.get("status"), queued.get("reason"), queued.get("message")) != (
+            "True",
+            "InsufficientNodes",
+            message,
+        ):
+            why = (Condition.QUEUED, True, "InsufficientNodes", message)
             actions.append(
                 PatchStatus(
                     {
                         "phase": state.phase if state.attempt else "Pending",
-                        "conditions": conditions(
-                            state, "Waiting", "InsufficientNodes", message, now
+                        "conditions": set_condition(
+                            state.conditions, *why, now=now, generation=obs.generation
                         ),
                     }
                 )
@@ -672,7 +760,7 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
         "teardownSince": None,
         "sizeCap": None,
         "transition": None,
-        "conditions": conditions(state, "Running", "Started", message, now),
+        "conditions": phase_conditions(obs, Phase.RUNNING, "Started", message),
     }
     if state.storage is None:
         start["storage"] = {"uri": obs.uri}
@@ -687,13 +775,22 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
     )
 
 
-def invalid_spec(state: JobState, message: str, now: float) -> Plan:
-    """A spec that cannot work fails the job, once, with a condition naming the field."""
+def invalid_spec(state: JobState, message: str, now: float, generation: int = 0) -> Plan:
+    """A spec that cannot work fails the job, once, with a condition naming the field (the
+    CRD's rules refuse such a spec at apply: this is for a job stored before them)."""
     if state.phase == "Failed":
+        if generation and generation != state.observed_generation:
+            seen = {"observedGeneration": generation}
+            return Plan(
+                (PatchStatus({**seen, "conditions": stamped(state.conditions, generation)}),)
+            )
         return Plan(note="failed: invalid spec")
     failed = {
         "phase": "Failed",
-        "conditions": conditions(state, "Failed", "InvalidSpec", message, now),
+        "conditions": enter_phase(
+            state.conditions, Phase.FAILED, "InvalidSpec", message, now=now, generation=generation
+        ),
+        **({"observedGeneration": generation} if generation else {}),
     }
     return Plan((PatchStatus(failed), Emit("Warning", "InvalidSpec", message)))
 
@@ -737,4 +834,7 @@ def job_state(status: Mapping[str, Any]) -> JobState:
         last_checkpoint=status.get("lastCheckpoint"),
         storage=storage.get("uri"),
         conditions=tuple(status.get("conditions") or ()),
+        observed_generation=int(status.get("observedGeneration") or 0),
+        selector=str(status.get("selector") or ""),
+        start_time=parse_time(status["startTime"]) if status.get("startTime") else None,
     )

@@ -14,7 +14,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
-from ctj_contract import ANNOTATION_LAST_CHECKPOINT, LABEL_ATTEMPT, LABEL_RANK, LastCheckpoint
+from ctj_contract import (
+    ANNOTATION_LAST_CHECKPOINT,
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    LABEL_RANK,
+    LastCheckpoint,
+)
 
 from . import capacity
 from .builders import (
@@ -199,10 +205,11 @@ def observe(
     marks: Marks,
     now: float,
     read_pytorchjob: ReadPyTorchJob,
+    generation: int = 0,
 ) -> Observation:
     """One job's view of the cluster, from memory (and one GET for a PyTorchJob only
-    where its CRD appeared after start-up)."""
-    namespace, _ = key
+    where its CRD appeared after start-up). ``generation``: the job's, as read."""
+    namespace, name = key
     leases = list(indexes.leases.get(key, ()))
     nodes = [n for found in indexes.nodes.values() for n in found]
     pods = [
@@ -231,7 +238,15 @@ def observe(
         controller_failure=failure,
         fits=fit.fits,
         rejected=capacity.summarize_rejections(fit.rejected),
+        generation=generation,
+        selector=job_selector(name),
     )
+
+
+def job_selector(name: str) -> str:
+    """The label selector of every pod of the job (status.selector, which the scale
+    subresource serves to autoscalers)."""
+    return f"{LABEL_JOB}={name}"
 
 
 def _used_by_others(indexes: Indexes, key: JobKey) -> dict[str, dict[str, int]]:

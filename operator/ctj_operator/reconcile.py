@@ -42,6 +42,7 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
     meta = body["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
     rv = str(meta.get("resourceVersion"))
+    generation = int(meta.get("generation") or 0)
     if not op.leads() or op.stale(uid, rv):
         return
     spec: JobSpec | None = None
@@ -56,7 +57,8 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
     state = job_state(dict(body.get("status") or {}))
     obs: Observation | None = None
     if spec is None:
-        plan, target = invalid_spec(state, invalid, time.time()), Target(body=body, spec=None)
+        plan = invalid_spec(state, invalid, time.time(), generation)
+        target = Target(body=body, spec=None)
     else:
         op.metrics.job_seen(namespace, name, state.phase, state.world_size, state.attempt)
         uri = state.storage or job_checkpoint_uri(spec, namespace, name, uid)
@@ -69,6 +71,7 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
             marks=op.marks,
             now=time.time(),
             read_pytorchjob=op.api.read_pytorchjob,
+            generation=generation,
         )
         plan = decide(obs)
         _log_fits(op, uid, namespace, name, obs)

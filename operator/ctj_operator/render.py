@@ -21,6 +21,7 @@ from .decisions import (
     Action,
     CreateAttempt,
     DeleteAttempt,
+    DeleteJob,
     DeletePods,
     Emit,
     PatchStatus,
@@ -39,7 +40,7 @@ class Verb(enum.StrEnum):
     CREATE_OR_PATCH = "create-or-patch"  # already there: merge-patched to this body
     PATCH = "patch"  # a merge patch; an object already gone (404) is skipped
     PATCH_STATUS = "patch-status"  # the job's .status, conditional on the version read
-    DELETE = "delete"  # already gone (404) is success
+    DELETE = "delete"  # already gone (404) is success; the job itself: only if unchanged
     DELETE_COLLECTION = "delete-collection"  # by label selector
     EVENT = "event"  # a Kubernetes Event about the job
 
@@ -185,6 +186,22 @@ def _(action: DeleteAttempt, target: Target) -> tuple[Call, ...]:
         Call(verb=Verb.DELETE_COLLECTION, kind=Kind.LEASE, namespace=ns, selector=selector)
     )
     return tuple(calls)
+
+
+@render.register
+def _(action: DeleteJob, target: Target) -> tuple[Call, ...]:
+    """The job, only if it is still the one read: its uid here, the resourceVersion the
+    plan was made from added by apply (a job edited since, e.g. its TTL raised, stays)."""
+    uid = target.body["metadata"]["uid"]
+    return (
+        Call(
+            verb=Verb.DELETE,
+            kind=Kind.JOB,
+            namespace=target.namespace,
+            name=target.name,
+            body={"preconditions": {"uid": uid}},
+        ),
+    )
 
 
 @render.register

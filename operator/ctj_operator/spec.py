@@ -1,8 +1,10 @@
 """The CheckpointedTrainingJob spec as typed, validated values.
 
-The API server already enforces the schema (types, ranges, the CEL rule on
-replicas); this catches what a schema cannot say, with messages that name the
-field, so a wrong spec fails the job with a clear condition instead of a loop.
+The API server already refuses a spec that cannot work (the CRD's schema and CEL
+rules: ranges, replicas within min and max, the heartbeat timeout, a container in the
+template, the pod template as a PodTemplateSpec). The same rules are checked here, with
+messages that name the field, for a job stored before the CRD had them: it fails with a
+clear condition instead of a loop.
 """
 
 from __future__ import annotations
@@ -116,12 +118,26 @@ class JobSpec:
     stabilization_seconds: float = 60.0
     detection: DetectionSpec = dataclasses.field(default_factory=lambda: DetectionSpec())
     transition_timeout_seconds: float = 120.0  # a planned transition waits this for its save
+    active_deadline_seconds: int | None = None
+    """The job fails (DeadlineExceeded) this long after status.startTime; None: never."""
+    ttl_seconds_after_finished: int | None = None
+    """A finished job is deleted this long after it finished; None: never."""
 
     def __post_init__(self) -> None:
         if not self.min_replicas <= self.replicas <= self.max_replicas:
             raise SpecError(
                 f"spec.replicas={self.replicas} must be within spec.minReplicas="
                 f"{self.min_replicas} and spec.maxReplicas={self.max_replicas}"
+            )
+        if self.active_deadline_seconds is not None and self.active_deadline_seconds < 1:
+            raise SpecError(
+                f"spec.activeDeadlineSeconds={self.active_deadline_seconds} must be at least 1:"
+                " omit it for no deadline"
+            )
+        if self.ttl_seconds_after_finished is not None and self.ttl_seconds_after_finished < 0:
+            raise SpecError(
+                f"spec.ttlSecondsAfterFinished={self.ttl_seconds_after_finished} must be 0 or"
+                " more: omit it to keep a finished job"
             )
         containers = (self.template.get("spec") or {}).get("containers") or []
         if not containers:
@@ -176,7 +192,13 @@ class JobSpec:
                 teardown_deadline_seconds=float(detect.get("teardownDeadlineSeconds", 45.0)),
             ),
             transition_timeout_seconds=float(transitions.get("checkpointTimeoutSeconds", 120.0)),
+            active_deadline_seconds=_optional_int(spec.get("activeDeadlineSeconds")),
+            ttl_seconds_after_finished=_optional_int(spec.get("ttlSecondsAfterFinished")),
         )
+
+
+def _optional_int(raw: object) -> int | None:
+    return None if raw is None else int(str(raw))
 
 
 def job_checkpoint_uri(spec: JobSpec, namespace: str, name: str, uid: str) -> str:

@@ -34,6 +34,7 @@ ALLOWED = [
     ("list", "checkpointedtrainingjobs.training.ctj.dev", ""),
     ("watch", "checkpointedtrainingjobs.training.ctj.dev", ""),
     ("patch", "checkpointedtrainingjobs.training.ctj.dev", ""),  # kopf's annotations
+    ("delete", "checkpointedtrainingjobs.training.ctj.dev", ""),  # ttlSecondsAfterFinished
     ("patch", "checkpointedtrainingjobs.training.ctj.dev", "status"),
     ("list", "pods", ""),
     ("watch", "pods", ""),
@@ -67,7 +68,6 @@ DENIED = [
     ("create", "nodes", ""),
     ("patch", "nodes", ""),
     ("delete", "services", ""),  # the garbage collector removes them
-    ("delete", "checkpointedtrainingjobs.training.ctj.dev", ""),
     ("create", "checkpointedtrainingjobs.training.ctj.dev", ""),
     ("update", "checkpointedtrainingjobs.training.ctj.dev", "status"),
     ("create", "clusterrolebindings.rbac.authorization.k8s.io", ""),

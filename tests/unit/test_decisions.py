@@ -60,7 +60,12 @@ def pod(rank: int, phase: str = "Running", node: str | None = None, **kw: Any) -
 
 
 RUNNING3 = JobState(
-    phase="Running", attempt=1, world_size=3, pods_created=True, attempt_started=-100.0
+    phase="Running",
+    attempt=1,
+    world_size=3,
+    pods_created=True,
+    attempt_started=-100.0,
+    start_time=-100.0,
 )
 
 
@@ -91,6 +96,11 @@ def observe(
     )
 
 
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The condition of type ``kind`` a status write carries."""
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
 def what(plan: Plan) -> str:
     """One line a table row can name: start N | create N | restart Reason cause | fail
     Reason | succeed | request Reason | wait."""
@@ -101,7 +111,7 @@ def what(plan: Plan) -> str:
         if isinstance(a, RequestCheckpoint):
             return f"request {status['transition']['reason']}"
     if status.get("phase") == "Failed":
-        return f"fail {status['conditions'][0]['reason']}"
+        return f"fail {condition(status, 'Failed')['reason']}"
     if status.get("phase") == "Succeeded":
         return "succeed"
     for a in plan.actions:
@@ -266,7 +276,8 @@ def test_a_resize_checkpoints_first_and_ends_when_the_ranks_stopped() -> None:
     # a trainer that ignores the request: restart anyway after the timeout
     late = decide(observe(waiting, pods(3), nodes(3), 126.0, job=spec(replicas=2)))
     assert what(late) == "restart Resize planned"
-    assert "steps since the last checkpoint are lost" in late.status()["conditions"][0]["message"]
+    restarting = condition(late.status(), "Restarting")
+    assert "steps since the last checkpoint are lost" in restarting["message"]
 
 
 def test_a_failure_during_a_transition_ends_it_as_a_failure() -> None:
@@ -332,7 +343,7 @@ def test_pending_past_the_timeout_ends_the_attempt_and_caps_the_next() -> None:
     plan = decide(observe(started, waiting, nodes(3), 61.0, job=job))
     assert what(plan) == "restart Unschedulable node"
     assert plan.status()["sizeCap"] == 2
-    assert "0/3 nodes: Insufficient" in plan.status()["conditions"][0]["message"]
+    assert "0/3 nodes: Insufficient" in condition(plan.status(), "Restarted")["message"]
     after = job_state({**plan.status(), "tornDown": True, "attempt": 1})
     assert what(decide(observe(after, [], nodes(3), 70.0, job=job))) == "start 2"
 
@@ -385,7 +396,7 @@ def test_a_rejected_pod_fails_the_attempt_with_the_apis_reason() -> None:
     obs = observe(JobState(), [], nodes(3))
     plan = pod_rejected(obs, 1, 3, 'pods "x" is forbidden: exceeded quota')
     assert what(plan) == f"restart PodRejected {Cause.CRASH}"
-    assert "exceeded quota" in plan.status()["conditions"][0]["message"]
+    assert "exceeded quota" in condition(plan.status(), "Restarted")["message"]
     assert plan.status()["restarts"] == 1 and plan.status()["notBefore"] == 2.0
     exhausted = pod_rejected(
         observe(JobState(restarts=2, phase="Restarting", attempt=2), [], nodes(3)), 3, 3, "no"
@@ -413,7 +424,7 @@ def test_capacity_is_what_fits_not_what_is_ready() -> None:
     plan = decide(observe(JobState(), [], nodes(5), fits=["n1", "n3"]))
     assert what(plan) == "start 2"
     none = decide(observe(JobState(), [], nodes(5), fits=[]))
-    assert none.status()["conditions"][0]["reason"] == "InsufficientNodes"
+    assert condition(none.status(), "Queued")["reason"] == "InsufficientNodes"
 
 
 def test_backoff_doubles_and_caps() -> None:
@@ -515,7 +526,7 @@ def test_the_kubeflow_controllers_failure_is_read_after_the_pods() -> None:
     failed = "PyTorchJob demo-a1 failed: 1 Worker replica(s) failed"
     plan = decide(observe(RUNNING3, pods(3), nodes(3), controller_failure=failed))
     assert what(plan) == "restart PyTorchJobFailed crash"
-    assert plan.status()["conditions"][-1]["message"].startswith(failed)
+    assert condition(plan.status(), "Restarted")["message"].startswith(failed)
     survivors = [pod(0, "Failed", phase_age=3.0), pod(1, "Failed", phase_age=3.0), pod(2)]
     beats: dict[int, float | None] = {0: 3.5, 1: 3.5, 2: 4.0}
     waiting = observe(RUNNING3, survivors, nodes(3), 3.0, beats=beats, controller_failure=failed)

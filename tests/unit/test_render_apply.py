@@ -11,11 +11,12 @@ from typing import Any, cast
 
 import pytest
 from ctj_contract import ANNOTATION_CHECKPOINT_REQUEST, LABEL_ATTEMPT, LABEL_JOB
-from ctj_operator.apply import Api, apply
+from ctj_operator.apply import Api, Outcome, apply
 from ctj_operator.decisions import (
     Cause,
     CreateAttempt,
     DeleteAttempt,
+    DeleteJob,
     DeletePods,
     Emit,
     PatchStatus,
@@ -155,6 +156,9 @@ class FakeObjects:
     def delete_collection(self, namespace: str, selector: str) -> Any:
         self._do("delete_collection", selector)
 
+    def delete_if(self, namespace: str, name: str, preconditions: Mapping[str, str]) -> Any:
+        self._do("delete_if", f"{name} {json.dumps(preconditions, sort_keys=True)}")
+
 
 def fake_api(**fail: dict[str, ApiException]) -> tuple[Api, list[tuple[str, ...]]]:
     log: list[tuple[str, ...]] = []
@@ -218,3 +222,23 @@ def test_what_is_gone_already_is_deleted_and_a_role_there_already_is_patched() -
     api, _ = fake_api(POD={"delete": api_error(500)})
     with pytest.raises(ApiException):
         apply(render_plan(Plan((DeletePods(("x",)),)), target()), api, resource_version="5")
+
+
+def test_a_finished_job_is_deleted_only_if_it_is_still_the_one_read() -> None:
+    """Its TTL: the uid and the resourceVersion the plan was made from are preconditions,
+    so a job edited since (its TTL raised) or re-created under the name stays."""
+    (call,) = render(DeleteJob(0.0), target())
+    assert (call.verb, call.kind, call.name) == (Verb.DELETE, Kind.JOB, "demo")
+    delete = render_plan(Plan((DeleteJob(0.0),)), target())
+    api, log = fake_api()
+    assert apply(delete, api, resource_version="5") == Outcome("5")
+    assert log == [
+        ("delete_if", "CheckpointedTrainingJob", 'demo {"resourceVersion": "5", "uid": "u-1"}')
+    ]
+    api, _ = fake_api(JOB={"delete_if": api_error(409)})
+    assert apply(delete, api, resource_version="5").stale
+    api, _ = fake_api(JOB={"delete_if": api_error(404)})  # gone already
+    assert apply(delete, api, resource_version="5") == Outcome("5")
+    api, _ = fake_api(JOB={"delete_if": api_error(403)})
+    with pytest.raises(ApiException):
+        apply(delete, api, resource_version="5")
