@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
@@ -64,6 +65,50 @@ def bounded_reader(store: ObjectStore, max_bytes: int) -> Callable[[str], bytes]
     return functools.partial(read_bounded, store, max_bytes=max_bytes)
 
 
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+"""What starts a URI: a string that starts so without '://' is a mistyped URI, not a path."""
+_BUCKET = re.compile(r"[A-Za-z0-9._-]+")
+"""The characters any S3-compatible server's bucket names are drawn from (AWS's rules are
+stricter; the server judges the rest)."""
+_USE = "use s3://bucket/prefix (S3, MinIO, ...) or file:///absolute/dir"
+
+
+def uri_problem(uri: str) -> str | None:
+    """Why ``uri`` is no checkpoint location, as a few words that never repeat the URI
+    (it may hold a secret someone pasted into it); None when it is one. Strict: a string
+    that looks like a URI but is not one is a mistake, never a relative path to create."""
+    if not uri:
+        return "is empty"
+    if uri != uri.strip():
+        return "has leading or trailing spaces: remove them"
+    if "://" not in uri:
+        if _SCHEME.match(uri):
+            return "has a scheme without '://' (e.g. s3:/bucket)"
+        return None  # a plain path
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("s3", "file"):
+        return f"has an unsupported URI scheme {parsed.scheme!r}"
+    if "?" in uri or "#" in uri:
+        return "has a query or fragment ('?', '#'), which a checkpoint URI never takes"
+    if "@" in parsed.netloc:
+        return (
+            "has credentials in it (user:password@): never put them in a URI; "
+            "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+        )
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            return "has a host: use file:///absolute/path"
+        return None
+    if not parsed.netloc:
+        return "names no bucket"
+    if not _BUCKET.fullmatch(parsed.netloc):
+        return f"has a bucket name with characters no bucket has ({parsed.netloc!r})"
+    segments = parsed.path.strip("/").split("/")
+    if parsed.path.strip("/") and any(s in ("", ".", "..") for s in segments):
+        return "has an empty, '.' or '..' segment in its prefix"
+    return None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Location:
     """A parsed checkpoint URI: ``s3://bucket/prefix`` or ``file:///dir`` (or a plain path)."""
@@ -74,23 +119,17 @@ class Location:
 
     @classmethod
     def parse(cls, uri: str) -> Location:
-        if not uri:
-            raise CheckpointError("checkpoint URI is empty: use s3://bucket/prefix or file:///dir")
+        problem = uri_problem(uri)
+        if problem is not None:
+            shown = "" if "@" in uri else f" {uri!r}"  # never echo a pasted secret
+            fix = "" if ": " in problem else f": {_USE}"
+            raise CheckpointError(f"checkpoint URI{shown} {problem}{fix}")
         if "://" not in uri:
             return cls("file", "", uri.rstrip("/") or "/")
         parsed = urlparse(uri)
         if parsed.scheme == "s3":
-            if not parsed.netloc:
-                raise CheckpointError(f"URI {uri!r} names no bucket: use s3://bucket/prefix")
             return cls("s3", parsed.netloc, parsed.path.strip("/"))
-        if parsed.scheme == "file":
-            if parsed.netloc not in ("", "localhost"):
-                raise CheckpointError(f"URI {uri!r} has a host: use file:///absolute/path")
-            return cls("file", "", parsed.path.rstrip("/") or "/")
-        raise CheckpointError(
-            f"unsupported URI scheme {parsed.scheme!r} in {uri!r}: "
-            "use s3://bucket/prefix (S3, MinIO, ...) or file:///dir"
-        )
+        return cls("file", "", parsed.path.rstrip("/") or "/")
 
     def __str__(self) -> str:
         if self.scheme == "s3":
