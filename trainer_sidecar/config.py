@@ -42,14 +42,25 @@ class BusyPolicy(enum.StrEnum):
     SKIP = "skip"  # ... or is skipped (counted) and training goes on
 
 
+class _FieldError(CheckpointError):
+    """A field's value is refused: ``from_env`` names the variable it came from."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def _enum(field: str, kind: type[enum.StrEnum], value: str) -> Any:
     try:
         return kind(value)
     except ValueError:
         choices = ", ".join(m.value for m in kind)
-        raise CheckpointError(
-            f"checkpoint config: {field} is {value!r}: use one of {choices}"
+        raise _FieldError(
+            field, f"checkpoint config: {field} is {value!r}: use one of {choices}"
         ) from None
+
+
+TRUST_PICKLED_ENV = "CTJ_TRUST_PICKLED_VALUES"
 
 
 def _flag(value: str) -> bool:
@@ -58,6 +69,19 @@ def _flag(value: str) -> bool:
     if value.lower() in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(value)
+
+
+def env_flag(var: str, value: str) -> bool:
+    """A boolean setting ``var`` (1/true/yes/on, 0/false/no/off, empty: no); anything else
+    is a one-line error naming it, never a silent "no"."""
+    try:
+        return _flag(value)
+    except ValueError:
+        raise CheckpointError(f"{var}={value!r} is not a boolean: use 1 or 0") from None
+
+
+_KIND_FIX = {int: "a whole number", float: "a number", _flag: "1 or 0"}
+"""What a variable of each parse takes, for its error."""
 
 
 def _peer_list(value: str) -> tuple[str, ...]:
@@ -133,10 +157,13 @@ class CheckpointConfig:
     """The job's secret for the peer caches (CTJ_CACHE_TOKEN); never logged."""
 
     def __post_init__(self) -> None:
-        Location.parse(self.uri)  # raises a CheckpointError naming the problem
+        try:
+            Location.parse(self.uri)  # raises a CheckpointError naming the problem
+        except CheckpointError as exc:
+            raise _FieldError("uri", str(exc)) from None
 
         def bad(field: str, why: str) -> CheckpointError:
-            return CheckpointError(f"checkpoint config: {field} {why}")
+            return _FieldError(field, f"checkpoint config: {field} {why}")
 
         # enums accept their values as strings (from the environment, from YAML)
         object.__setattr__(self, "mode", _enum("mode", Mode, self.mode))
@@ -194,7 +221,7 @@ class CheckpointConfig:
             "shutdown_grace_s": ("CTJ_SHUTDOWN_GRACE_S", float),
             "metrics_port": ("CTJ_METRICS_PORT", int),
             "attempt": (Env.ATTEMPT, str),
-            "trust_pickled_values": ("CTJ_TRUST_PICKLED_VALUES", _flag),
+            "trust_pickled_values": (TRUST_PICKLED_ENV, _flag),
             "cache_dir": (Env.CACHE_DIR, str),
             "cache_max_bytes": (Env.CACHE_MAX_BYTES, int),
             "cache_peers": (Env.CACHE_PEERS, _peer_list),
@@ -208,10 +235,19 @@ class CheckpointConfig:
                     values[field] = typ(env[var])
                 except ValueError:
                     kind = getattr(typ, "__name__", "value").strip("_")
-                    raise CheckpointError(f"{var}={env[var]!r} is not a valid {kind}") from None
+                    fix = _KIND_FIX.get(typ, f"a {kind}")
+                    raise CheckpointError(
+                        f"{var}={env[var]!r} is not a valid {kind}: set it to {fix}"
+                    ) from None
         values.update(overrides)
         if "uri" not in values:
             raise CheckpointError(
                 "no checkpoint location: set CTJ_CHECKPOINT_URI (s3://bucket/prefix)"
             )
-        return cls(**values)
+        try:
+            return cls(**values)
+        except _FieldError as exc:  # a value refused: name the variable it came from
+            source = names[exc.field][0] if exc.field in names else None
+            if source is None or exc.field in overrides or not env.get(source):
+                raise
+            raise CheckpointError(f"{source}: {exc}") from None  # the value: never echoed here

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainer_sidecar import CheckpointError
+from trainer_sidecar import CheckpointConfig, CheckpointError
 from trainer_sidecar.store.base import Location, uri_problem
+from trainer_sidecar.store.s3 import S3Settings, endpoint_problem, first_contact, region_problem
 
 
 @pytest.mark.parametrize(
@@ -57,3 +58,113 @@ def test_credentials_in_a_uri_are_refused_and_never_repeated() -> None:
     with pytest.raises(CheckpointError, match="never put them in a URI") as info:
         Location.parse("s3://AKIAEXAMPLE:s3cret@bucket/x")
     assert "s3cret" not in str(info.value) and "AKIAEXAMPLE" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://minio:9000", None),
+        ("https://s3.us-east-1.amazonaws.com", None),
+        ("http://[::1]:9000", None),
+        ("http://user:pw@minio:9000", None),  # accepted, and redacted wherever it is named
+        ("minio:9000", "has no scheme"),
+        ("ftp://minio:9000", "has the scheme 'ftp', not http or https"),
+        ("http://minio:port", "has a port that is not a number"),
+        ("http://minio:70000", "has a port that is not a number"),
+        ("http://", "names no host"),
+        ("http://a b:9000", "is not a valid URL"),
+    ],
+)
+def test_endpoint_problem(url: str, problem: str | None) -> None:
+    got = endpoint_problem(url)
+    assert got is None if problem is None else (got or "").startswith(problem), got
+
+
+@pytest.mark.parametrize(
+    ("region", "ok"), [("us-east-1", True), ("garage", True), ("us east", False), ("-x", False)]
+)
+def test_region_problem(region: str, ok: bool) -> None:
+    assert (region_problem(region) is None) is ok
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "phrases"),
+    [
+        ("CTJ_S3_MAX_ATTEMPTS", "oops", ["CTJ_S3_MAX_ATTEMPTS='oops' is not a whole number"]),
+        ("CTJ_S3_MAX_ATTEMPTS", "-1", ["CTJ_S3_MAX_ATTEMPTS='-1' is less than 1", "1 or more"]),
+        ("CTJ_S3_ALLOW_UNCONDITIONAL_WRITES", "maybe", ["is not a boolean: use 1 or 0"]),
+        ("AWS_ENDPOINT_URL", "minio:9000", ["AWS_ENDPOINT_URL='minio:9000' has no scheme"]),
+        ("AWS_ENDPOINT_URL_S3", "http://h:x", ["AWS_ENDPOINT_URL_S3='http://h:x' has a port"]),
+        ("AWS_ENDPOINT_URL", "http://k:s3cret@", ["AWS_ENDPOINT_URL='http://' names no host"]),
+        ("AWS_REGION", "us east", ["AWS_REGION='us east' is not a region name"]),
+        ("AWS_DEFAULT_REGION", "us east", ["AWS_DEFAULT_REGION='us east'"]),
+    ],
+)
+def test_a_bad_s3_setting_names_its_variable_and_the_fix(
+    var: str, value: str, phrases: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(var, value)
+    with pytest.raises(CheckpointError) as info:
+        S3Settings.from_env()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{var}="), message
+    assert all(p in message for p in phrases), message
+    assert "s3cret" not in message
+
+
+def test_s3_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://generic:9000")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://s3-only:9000")
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
+    monkeypatch.setenv("CTJ_S3_MAX_ATTEMPTS", "3")
+    got = S3Settings.from_env()
+    assert (got.endpoint_url, got.region, got.max_attempts) == (
+        "http://s3-only:9000",
+        "eu-west-1",
+        3,
+    )
+    assert S3Settings.from_env(endpoint_url="http://flag:1").endpoint_url == "http://flag:1"
+
+
+def test_first_contact_is_bounded_and_the_daemons_keep_their_patience() -> None:
+    patient = S3Settings()  # what the trainer and the sidecar use
+    assert (patient.max_attempts, patient.connect_timeout_s, patient.backoff_cap_s) == (6, 5, 20)
+    quick = first_contact(patient)
+    worst_s = quick.max_attempts * quick.connect_timeout_s + quick.backoff_cap_s
+    assert quick.max_attempts == 2 and worst_s <= 5, quick
+    stricter = first_contact(S3Settings(max_attempts=1, connect_timeout_s=0.5))
+    assert (stricter.max_attempts, stricter.connect_timeout_s) == (1, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("env", "phrases"),
+    [
+        ({"CTJ_CHECKPOINT_KEEP_LAST": "x"}, ["CTJ_CHECKPOINT_KEEP_LAST='x'", "a whole number"]),
+        ({"CTJ_CHECKPOINT_KEEP_LAST": "-1"}, ["CTJ_CHECKPOINT_KEEP_LAST: ", "keep_last is -1"]),
+        ({"CTJ_CHECKPOINT_MODE": "often"}, ["CTJ_CHECKPOINT_MODE: ", "use one of full"]),
+        ({"CTJ_SIDECAR": "perhaps"}, ["CTJ_SIDECAR='perhaps'", "set it to 1 or 0"]),
+        ({"CTJ_SHUTDOWN_GRACE_S": "soon"}, ["CTJ_SHUTDOWN_GRACE_S='soon'", "a number"]),
+        ({"CTJ_CHECKPOINT_URI": "s3:/b/x"}, ["CTJ_CHECKPOINT_URI: ", "without '://'"]),
+        (
+            {"CTJ_CACHE_PORT": "9500", "CTJ_CACHE_TOKEN": "short-s3cret"},
+            ["CTJ_CACHE_TOKEN: ", "16+ characters"],
+        ),
+    ],
+)
+def test_a_bad_checkpoint_setting_names_its_variable(
+    env: dict[str, str], phrases: list[str]
+) -> None:
+    with pytest.raises(CheckpointError) as info:
+        CheckpointConfig.from_env({"CTJ_CHECKPOINT_URI": "s3://b/p", **env})
+    message = str(info.value)
+    assert "\n" not in message and all(p in message for p in phrases), message
+    assert "s3cret" not in message
+
+
+def test_an_override_is_not_blamed_on_the_environment() -> None:
+    with pytest.raises(CheckpointError) as info:
+        CheckpointConfig.from_env({"CTJ_CHECKPOINT_URI": "s3://b/p"}, keep_last=-1)
+    assert str(info.value).startswith("checkpoint config: keep_last is -1")

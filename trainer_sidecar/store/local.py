@@ -24,6 +24,8 @@ _TMP_PREFIX = ".tmp-"
 
 
 class LocalStore:
+    """``create=False``: the directory must exist (the CLI's commands never create it)."""
+
     def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
         self.root = Path(root)
         if create:
@@ -34,8 +36,12 @@ class LocalStore:
                     f"cannot create checkpoint directory {self.root}: {exc.strerror}; "
                     "choose a writable path"
                 ) from None
-        elif not self.root.is_dir():
-            raise CheckpointError(f"checkpoint directory {self.root} does not exist")
+        elif not self.root.is_dir():  # never created here: a reader must not make what it reads
+            what = "is not a directory" if self.root.exists() else "does not exist"
+            raise CheckpointError(
+                f"checkpoint directory {self.root} {what}: check the URI "
+                "(a job creates its directory at its first save)"
+            )
 
     def _path(self, key: str) -> Path:
         if key.startswith("/") or ".." in key.split("/"):

@@ -46,16 +46,19 @@ import io
 import logging
 import os
 import random
+import re
 import threading
 import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import boto3
 import botocore.config
 import botocore.exceptions as bex
+from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
 
 from ..errors import CheckpointError, ObjectExists, ObjectNotFound, StoreUnavailable
 from .base import Location, ObjectInfo
@@ -67,6 +70,12 @@ T = TypeVar("T")
 
 PROBE_PREFIX = ".ctj-probe/"
 ALLOW_UNCONDITIONAL_ENV = "CTJ_S3_ALLOW_UNCONDITIONAL_WRITES"
+MAX_ATTEMPTS_ENV = "CTJ_S3_MAX_ATTEMPTS"
+
+
+_ENDPOINT_FIX = "use http(s)://host[:port], e.g. http://minio:9000"
+_REGION = re.compile(r"[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?")
+"""botocore's rule for a region name: a client it would refuse is refused here, by name."""
 
 
 def _flag(name: str, value: str) -> bool:
@@ -75,6 +84,48 @@ def _flag(name: str, value: str) -> bool:
     if value.lower() in ("0", "false", "no", "off", ""):
         return False
     raise CheckpointError(f"{name}={value!r} is not a boolean: use 1 or 0")
+
+
+def endpoint_problem(url: str) -> str | None:
+    """Why ``url`` is no S3 endpoint, in words that never repeat it (it may carry a
+    user:password); None when it is one."""
+    parts = urlsplit(url)
+    if "://" not in url:
+        return "has no scheme"
+    if parts.scheme not in ("http", "https"):
+        return f"has the scheme {parts.scheme!r}, not http or https"
+    try:
+        parts.port  # noqa: B018 - urlsplit parses the port only when asked
+    except ValueError:
+        return "has a port that is not a number from 0 to 65535"
+    if not parts.hostname:
+        return "names no host"
+    if not (is_valid_endpoint_url(url) or is_valid_ipv6_endpoint_url(url)):
+        return "is not a valid URL"
+    return None
+
+
+def region_problem(region: str) -> str | None:
+    """Why ``region`` is no region name botocore accepts; None when it is one."""
+    return None if _REGION.fullmatch(region) else "is not a region name"
+
+
+def _setting(var: str, value: str, problem: str | None, fix: str) -> str:
+    """``value`` of the environment variable ``var``, or the one-line error naming both."""
+    if problem is not None:
+        raise CheckpointError(f"{var}={redact(value)!r} {problem}: {fix}")
+    return value
+
+
+def _attempts(var: str, value: str) -> int:
+    fix = f"set {var} to the attempts per S3 request, first included: 1 or more (default 6)"
+    try:
+        attempts = int(value)
+    except ValueError:
+        raise CheckpointError(f"{var}={value!r} is not a whole number: {fix}") from None
+    if attempts < 1:
+        raise CheckpointError(f"{var}={value!r} is less than 1: {fix}")
+    return attempts
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,10 +151,13 @@ class S3Settings:
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise CheckpointError("s3 max_attempts must be >= 1")
-        if self.endpoint_url is not None and "://" not in self.endpoint_url:
-            raise CheckpointError(
-                f"S3 endpoint {redact(self.endpoint_url)!r} has no scheme: use http://host:port"
-            )
+        if self.endpoint_url is not None:
+            problem = endpoint_problem(self.endpoint_url)
+            if problem is not None:
+                shown = redact(self.endpoint_url)
+                raise CheckpointError(f"S3 endpoint {shown!r} {problem}: {_ENDPOINT_FIX}")
+        if self.region is not None and region_problem(self.region) is not None:
+            raise CheckpointError(f"S3 region {self.region!r} is not a region name: e.g. us-east-1")
         if min(self.connect_timeout_s, self.read_timeout_s) <= 0:
             raise CheckpointError("s3 connect and read timeouts must be > 0 seconds")
         if not 0 <= self.backoff_base_s <= self.backoff_cap_s:
@@ -111,19 +165,45 @@ class S3Settings:
 
     @classmethod
     def from_env(cls, **overrides: object) -> S3Settings:
+        """AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_REGION / AWS_DEFAULT_REGION,
+        CTJ_S3_MAX_ATTEMPTS and CTJ_S3_ALLOW_UNCONDITIONAL_WRITES, each checked here: a
+        bad value is a one-line error naming the variable and the fix. ``overrides`` (not
+        None) win over the environment."""
         env: dict[str, object] = {}
-        if os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
-            env["endpoint_url"] = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
-                "AWS_ENDPOINT_URL"
-            )
-        if os.environ.get("CTJ_S3_MAX_ATTEMPTS"):
-            env["max_attempts"] = int(os.environ["CTJ_S3_MAX_ATTEMPTS"])
+        for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+            if os.environ.get(var):
+                value = os.environ[var]
+                env["endpoint_url"] = _setting(var, value, endpoint_problem(value), _ENDPOINT_FIX)
+                break
+        for var in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+            if os.environ.get(var):
+                value = os.environ[var]
+                fix = f"set {var} to one like us-east-1, or unset it"
+                env["region"] = _setting(var, value, region_problem(value), fix)
+                break
+        if os.environ.get(MAX_ATTEMPTS_ENV):
+            env["max_attempts"] = _attempts(MAX_ATTEMPTS_ENV, os.environ[MAX_ATTEMPTS_ENV])
         if os.environ.get(ALLOW_UNCONDITIONAL_ENV) is not None:
             env["allow_unconditional_writes"] = _flag(
                 ALLOW_UNCONDITIONAL_ENV, os.environ[ALLOW_UNCONDITIONAL_ENV]
             )
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**env)  # type: ignore[arg-type]
+
+
+def first_contact(settings: S3Settings) -> S3Settings:
+    """``settings`` for a command's first request (``S3Store.check_reachable``): two
+    attempts, a 2 s connect timeout, short backoff, so an endpoint that does not answer is
+    reported within seconds, not after the minute a daemon's retries may wait out."""
+    return dataclasses.replace(
+        settings,
+        max_attempts=min(settings.max_attempts, 2),
+        max_connections=1,
+        connect_timeout_s=min(settings.connect_timeout_s, 2.0),
+        read_timeout_s=min(settings.read_timeout_s, 10.0),
+        backoff_base_s=min(settings.backoff_base_s, 0.25),
+        backoff_cap_s=min(settings.backoff_cap_s, 0.5),
+    )
 
 
 def crc32_header(data: bytes | memoryview) -> str:
@@ -202,13 +282,26 @@ class S3Store:
             or "us-east-1"
         )
         creds = credentials or {}
-        session = boto3.session.Session(
-            aws_access_key_id=creds.get("AWS_ACCESS_KEY_ID"),
-            aws_secret_access_key=creds.get("AWS_SECRET_ACCESS_KEY"),
-        )
-        self._s3 = session.client(
-            "s3", endpoint_url=settings.endpoint_url, region_name=region, config=config
-        )
+        try:
+            session = boto3.session.Session(
+                aws_access_key_id=creds.get("AWS_ACCESS_KEY_ID"),
+                aws_secret_access_key=creds.get("AWS_SECRET_ACCESS_KEY"),
+            )
+            self._s3 = session.client(
+                "s3", endpoint_url=settings.endpoint_url, region_name=region, config=config
+            )
+        except bex.ProfileNotFound as exc:
+            raise CheckpointError(
+                f"AWS_PROFILE={exc.kwargs.get('profile')!r} names no profile in the AWS config "
+                "files: fix AWS_PROFILE, or unset it"
+            ) from None
+        except bex.ConfigParseError as exc:
+            raise CheckpointError(
+                f"cannot parse the AWS config file {exc.kwargs.get('path')}: fix it, or point "
+                "AWS_CONFIG_FILE / AWS_SHARED_CREDENTIALS_FILE at another"
+            ) from None
+        self._location = location
+        self._credentials = credentials
         self.endpoint = redact(settings.endpoint_url or self._s3.meta.endpoint_url)
         self.where = f"{location} at {self.endpoint}"
         self._rng = random.Random()
@@ -221,13 +314,15 @@ class S3Store:
     def _retrying(self, op: str, key: str, call: Callable[[], T]) -> T:
         """``call()``, again on a retryable failure, then that failure in our vocabulary."""
         attempt = 1
+        started = time.monotonic()
         while True:
             try:
                 return call()
             except Exception as exc:  # noqa: BLE001 - classified, translated or re-raised
                 failure = classify(exc)
                 if not failure.retryable or attempt >= self.settings.max_attempts:
-                    error = self._error(exc, failure, op, key, attempt)
+                    spent = time.monotonic() - started
+                    error = self._error(exc, failure, op, key, attempt, spent)
                     if error is exc:
                         raise
                     raise error from None
@@ -245,24 +340,27 @@ class S3Store:
                 attempt += 1
 
     def _error(
-        self, exc: Exception, failure: Failure, op: str, key: str, attempts: int
+        self, exc: Exception, failure: Failure, op: str, key: str, attempts: int, spent: float
     ) -> Exception:
         """The exception to raise for a failure that is final (``exc`` itself for a bug)."""
         last = describe(exc)
         tries = f"after {attempts} attempt{'s' if attempts > 1 else ''}"
+        tried = f"{op} in bucket {self.bucket!r}, {spent:.1f} s in all"  # what was tried
         if failure is Failure.NOT_FOUND:
             return ObjectNotFound(key)
         if failure is Failure.EXISTS:
             return ObjectExists(key)
         if failure is Failure.UNREACHABLE:
             return StoreUnavailable(
-                f"the S3 endpoint {self.endpoint} is unreachable {tries} (last: {last}): check "
-                "that it is up and that AWS_ENDPOINT_URL (or --endpoint-url) names it"
+                f"the S3 endpoint {self.endpoint} is unreachable {tries} (last: {last}) for a "
+                f"{tried}: check that it is up and that AWS_ENDPOINT_URL (or --endpoint-url) "
+                "names it"
             )
         if failure is Failure.TRANSIENT:
             return StoreUnavailable(
                 f"the S3 endpoint {self.endpoint} kept failing {tries} to {op} {key!r} "
-                f"(last: {last}): it is overloaded or unwell; retry later"
+                f"(last: {last}) in bucket {self.bucket!r}, {spent:.1f} s in all: it is "
+                "overloaded or unwell; retry later"
             )
         if failure is Failure.CONFLICT:
             return StoreUnavailable(
@@ -297,6 +395,25 @@ class S3Store:
         if isinstance(exc, bex.ClientError):
             return CheckpointError(f"S3 error {last} on {op} {key!r} in {self.where}")
         return exc
+
+    # -- first contact ------------------------------------------------------------
+
+    def check_reachable(self) -> None:
+        """Fail within seconds where the endpoint does not answer: one LIST of at most one
+        key under the prefix, through a client of its own with ``first_contact`` settings.
+        Any reply passes, an error reply too (a missing bucket, refused credentials, a busy
+        server): the caller's own request then gives that error, or rides it out with these
+        settings' patient retries. For a command's first contact (the CLI); the daemons,
+        which must outlast an outage, never call it."""
+        probe = S3Store(self._location, first_contact(self.settings), credentials=self._credentials)
+
+        def once() -> None:
+            try:
+                probe._s3.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
+            except bex.ClientError:
+                return  # the server answered
+
+        probe._retrying("LIST", "", once)
 
     # -- conditional writes -------------------------------------------------------
 
@@ -452,10 +569,14 @@ def _range_not_satisfiable(exc: bex.ClientError) -> bool:
     return exc.response.get("Error", {}).get("Code") == "InvalidRange" or status == 416
 
 
-def open_store(uri: str, s3: S3Settings | None = None) -> LocalStore | S3Store:
-    """The store for a checkpoint URI (the only place that picks a backend)."""
+def open_store(
+    uri: str, s3: S3Settings | None = None, *, create: bool = True
+) -> LocalStore | S3Store:
+    """The store for a checkpoint URI (the only place that picks a backend). ``create``:
+    make a ``file://`` directory that does not exist (a job's first save); without it a
+    missing one is an error (the CLI, which inspects what is there)."""
 
     location = Location.parse(uri)
     if location.scheme == "s3":
         return S3Store(location, s3 or S3Settings.from_env())
-    return LocalStore(location.prefix)
+    return LocalStore(location.prefix, create=create)
