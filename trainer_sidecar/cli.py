@@ -2,9 +2,16 @@
 
     ctj checkpoints ls|show|verify|gc|rm|export URI ...
 
-A user mistake (bad URI, missing bucket, wrong credentials, unknown step)
-prints one line, ``ctj: error: ...``, and exits 2; a corrupt checkpoint found
-by ``verify`` exits 1. Long work shows a progress bar on a terminal.
+A user mistake (bad URI, bad environment setting, missing bucket or directory, wrong
+credentials, unknown step) prints one line, ``ctj: error: ...``, and exits 2; a corrupt
+checkpoint found by ``verify`` exits 1. Long work shows a progress bar on a terminal.
+
+Every command only inspects what is there: a ``file://`` directory that does not exist is
+an error, never created. The first request to S3 is bounded (``S3Store.check_reachable``):
+an endpoint that does not answer is reported within seconds, naming it and the bucket;
+after that the store retries as patiently as the sidecar does. ``--json``: one JSON
+document on stdout (README, "Managing checkpoints", lists its keys); on a mistake, nothing
+on stdout.
 
 One bad checkpoint never hides the others: a manifest that cannot be read is a row
 ``step N: unreadable: <reason>`` in ``ls``, ``show`` and ``verify``, which go on with
@@ -14,6 +21,7 @@ the rest (``verify`` then exits 1, ``show --step N`` of that one too).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -25,16 +33,19 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
+from .config import TRUST_PICKLED_ENV, env_flag
 from .errors import (
     CheckpointError,
+    CorruptCheckpointError,
     CorruptManifestError,
     NoCheckpointError,
     UnsafeCheckpointError,
 )
 from .format.manifest import Manifest
-from .parts import job_store
 from .store import repository as repo
-from .store.base import ObjectStore
+from .store.base import Location, ObjectStore
+from .store.s3 import S3Settings, S3Store, endpoint_problem, open_store
+from .store.s3_errors import redact
 
 
 def _size(n: float) -> str:
@@ -58,8 +69,32 @@ def _progress(total: int, desc: str) -> Iterator[Callable[[int], None]]:
         yield bar.update
 
 
+def _s3_settings(endpoint_url: str | None) -> S3Settings:
+    """S3's settings from the environment, each checked (S3Settings.from_env), and
+    --endpoint-url, named as such where it is no endpoint."""
+    if endpoint_url is not None:
+        problem = endpoint_problem(endpoint_url)
+        if problem is not None:
+            raise CheckpointError(
+                f"--endpoint-url {redact(endpoint_url)!r} {problem}: "
+                "use http(s)://host[:port], e.g. http://minio:9000"
+            )
+    return S3Settings.from_env(endpoint_url=endpoint_url)
+
+
 def _store(args: argparse.Namespace) -> ObjectStore:
-    return job_store(args.uri, endpoint_url=args.endpoint_url)
+    """The store a command inspects: the URI parsed strictly first, then the settings; a
+    ``file://`` directory must exist (nothing is created); an S3 endpoint must answer
+    within seconds."""
+    Location.parse(args.uri)
+    store = open_store(args.uri, _s3_settings(args.endpoint_url), create=False)
+    if isinstance(store, S3Store):
+        store.check_reachable()
+    return store
+
+
+def _print_json(document: object) -> None:
+    print(json.dumps(document))
 
 
 def _manifest(store: ObjectStore, step: int | None) -> Manifest:
@@ -94,6 +129,21 @@ def _read(store: ObjectStore, step: int) -> Manifest | repo.UnreadableManifest |
         return None
 
 
+def _ls_row(step: int, read: Manifest | repo.UnreadableManifest) -> dict[str, object]:
+    """One row of ``ls --json``."""
+    if not isinstance(read, Manifest):
+        return {"step": step, "unreadable": read.reason}
+    return {
+        "step": read.step,
+        "mode": read.mode,
+        "base_step": read.base_step,
+        "world_size": read.world_size,
+        "logical_bytes": read.logical_bytes,
+        "uploaded_bytes": read.uploaded_bytes,
+        "created": read.created,
+    }
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     store = _store(args)
     rows: list[tuple[int, Manifest | repo.UnreadableManifest]] = []
@@ -102,24 +152,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if read is not None:
             rows.append((step, read))
     if args.json:
-        print(
-            json.dumps(
-                [
-                    {
-                        "step": m.step,
-                        "mode": m.mode,
-                        "base_step": m.base_step,
-                        "world_size": m.world_size,
-                        "logical_bytes": m.logical_bytes,
-                        "uploaded_bytes": m.uploaded_bytes,
-                        "created": m.created,
-                    }
-                    if isinstance(m, Manifest)
-                    else {"step": s, "unreadable": m.reason}
-                    for s, m in rows
-                ]
-            )
-        )
+        _print_json([_ls_row(s, m) for s, m in rows])
         return 0
     if not rows:
         print("no committed checkpoints")
@@ -144,7 +177,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     try:
         m = _manifest(store, args.step)
     except repo.UnreadableManifest as exc:
-        print(f"step {exc.step}: unreadable: {exc.reason}")
+        if args.json:
+            _print_json({"step": exc.step, "unreadable": exc.reason})
+        else:
+            print(f"step {exc.step}: unreadable: {exc.reason}")
         return 1
     if args.json:
         print(m.to_bytes().decode())
@@ -188,9 +224,62 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _trust_pickled_values(args: argparse.Namespace) -> bool:
-    """--trust-pickled-values, or CTJ_TRUST_PICKLED_VALUES=1 (as the trainer reads it)."""
-    env = os.environ.get("CTJ_TRUST_PICKLED_VALUES", "").strip().lower()
-    return bool(args.trust_pickled_values) or env in ("1", "true", "yes", "on")
+    """--trust-pickled-values, or CTJ_TRUST_PICKLED_VALUES=1 (as the trainer reads it): any
+    other value than a boolean is a mistake, not a silent "no"."""
+    env = os.environ.get(TRUST_PICKLED_ENV, "").strip()
+    return bool(args.trust_pickled_values) or env_flag(TRUST_PICKLED_ENV, env)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with a checkpoint, as ``verify`` reports it."""
+
+    kind: str  # corrupt | unsafe | unreadable
+    what: str  # the chunk, the rank manifest or the manifest it is about
+    reason: str
+    line: str  # as the text output words it, after "step N: "
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Verdict:
+    """``verify``'s finding for one checkpoint."""
+
+    step: int
+    status: str  # ok | corrupt | unsafe | unreadable | gone
+    logical_bytes: int | None = None
+    problems: tuple[Problem, ...] = ()
+
+    def lines(self) -> list[str]:
+        if self.status == "ok":
+            return [f"step {self.step}: ok ({_size(self.logical_bytes or 0)} verified)"]
+        if self.status == "gone":
+            return [f"step {self.step}: gone (retired since it was listed)"]
+        return [f"step {self.step}: {p.line}" for p in self.problems]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "step": self.step,
+            "status": self.status,
+            "logical_bytes": self.logical_bytes,
+            "problems": [
+                {"kind": p.kind, "what": p.what, "reason": p.reason} for p in self.problems
+            ],
+        }
+
+
+def _problem(p: CorruptCheckpointError) -> Problem:
+    if isinstance(p, UnsafeCheckpointError):
+        return Problem("unsafe", p.chunk_id, p.reason, f"UNSAFE: {p.chunk_id} {p.reason}")
+    if isinstance(p, CorruptManifestError):
+        return Problem("corrupt", p.chunk_id, p.reason, f"CORRUPT: {p.chunk_id} {p.reason}")
+    return Problem("corrupt", p.chunk_id, p.reason, f"CORRUPT: {p.reason}: chunk {p.chunk_id}")
+
+
+def verdict(step: int, size: int | None, problems: Sequence[Problem]) -> Verdict:
+    """ok, or the worst of the problems: unsafe before corrupt before unreadable."""
+    kinds = {p.kind for p in problems}
+    status = next((k for k in ("unsafe", "corrupt", "unreadable") if k in kinds), "ok")
+    return Verdict(step, status, size, tuple(problems))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -198,6 +287,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .load.checks import read_manifest
     from .load.verify import verify
 
+    trust = _trust_pickled_values(args)  # a bad setting is told before any request
     store = _store(args)
     listed = args.all or args.step is None
     if listed:
@@ -207,41 +297,39 @@ def cmd_verify(args: argparse.Namespace) -> int:
         steps = steps if args.all else steps[-1:]
     else:
         steps = [args.step]
-    trust = _trust_pickled_values(args)
-    bad = 0
+    verdicts: list[Verdict] = []
     for step in steps:
         read = _read(store, step)  # parsed only: unreadable is told apart from unsafe
         if read is None and listed:
-            print(f"step {step}: gone (retired since it was listed)")
-            continue
-        if isinstance(read, repo.UnreadableManifest):
-            bad += 1
-            print(f"step {step}: unreadable: {read.reason}")
-            continue
-        try:
-            m = read_manifest(store, step)
-        except UnsafeCheckpointError as exc:
-            bad += 1
-            print(f"step {step}: UNSAFE: {exc.chunk_id} {exc.reason}")
-            continue
-        with _progress(m.logical_bytes, f"verify {step}") as update:
-            problems = verify(store, m, progress=update, trust_pickled_values=trust)
-        if problems:
-            bad += 1
-            for p in problems:
-                if isinstance(p, UnsafeCheckpointError):
-                    print(f"step {step}: UNSAFE: {p.chunk_id} {p.reason}")
-                elif isinstance(p, CorruptManifestError):
-                    print(f"step {step}: CORRUPT: {p.chunk_id} {p.reason}")
-                else:
-                    print(f"step {step}: CORRUPT: {p.reason}: chunk {p.chunk_id}")
+            found = Verdict(step, "gone")
+        elif isinstance(read, repo.UnreadableManifest):
+            reason = read.reason
+            found = verdict(
+                step, None, [Problem("unreadable", "manifest", reason, f"unreadable: {reason}")]
+            )
         else:
-            print(f"step {step}: ok ({_size(m.logical_bytes)} verified)")
-    return 1 if bad else 0
+            try:
+                m = read_manifest(store, step)
+            except UnsafeCheckpointError as exc:
+                found = verdict(step, None, [_problem(exc)])
+            else:
+                with _progress(m.logical_bytes, f"verify {step}") as update:
+                    problems = verify(store, m, progress=update, trust_pickled_values=trust)
+                found = verdict(step, m.logical_bytes, [_problem(p) for p in problems])
+        verdicts.append(found)
+        if not args.json:
+            for line in found.lines():
+                print(line)
+    if args.json:
+        _print_json([v.to_json() for v in verdicts])
+    return 1 if any(v.status not in ("ok", "gone") for v in verdicts) else 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     report = repo.collect_garbage(_store(args), grace_s=args.grace, dry_run=args.dry_run)
+    if args.json:
+        _print_json({"dry_run": args.dry_run, **dataclasses.asdict(report)})
+        return 0
     verb = "would delete" if args.dry_run else "deleted"
     print(
         f"{verb} {report.deleted_chunks} chunks ({_size(report.deleted_bytes)}) and "
@@ -254,6 +342,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_rm(args: argparse.Namespace) -> int:
     store = _store(args)
     repo.remove(store, args.steps)
+    if args.json:
+        _print_json({"removed": args.steps})
+        return 0
     print(
         f"removed checkpoint(s) {', '.join(map(str, args.steps))}; "
         "run `ctj checkpoints gc` to free their chunks"
@@ -265,20 +356,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     # torch: only for this command
     from .load.export import check_new_file, empty_directory, export_dcp, export_torch_save
 
+    trust = _trust_pickled_values(args)
     if args.torch_save:  # refused before any work, as is a directory that is not empty
         check_new_file(args.torch_save)
     store = _store(args)
     m = _manifest(store, args.step)
     empty_directory(args.out_dir)
-    trust = _trust_pickled_values(args)
     with _progress(m.logical_bytes, f"export {m.step}") as update:
         out = export_dcp(store, m, args.out_dir, progress=update, trust_pickled_values=trust)
-    print(
-        f"exported step {m.step} to {out} (plain DCP: torch.distributed.checkpoint.load reads it)"
-    )
+    if not args.json:
+        print(
+            f"exported step {m.step} to {out} "
+            "(plain DCP: torch.distributed.checkpoint.load reads it)"
+        )
     if args.torch_save:
         export_torch_save(out, args.torch_save)
-        print(f"wrote {args.torch_save} (torch.save of the full state)")
+        if not args.json:
+            print(f"wrote {args.torch_save} (torch.save of the full state)")
+    if args.json:
+        _print_json({"step": m.step, "out_dir": str(out), "torch_save": args.torch_save})
     return 0
 
 
@@ -330,16 +426,19 @@ def build_parser() -> argparse.ArgumentParser:
         name: str, fn: Callable[[argparse.Namespace], int], help_: str
     ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
-        p.add_argument("uri", help="s3://bucket/prefix or file:///dir")
+        p.add_argument("uri", help="s3://bucket/prefix or file:///dir (which must exist)")
         p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
+        p.add_argument(
+            "--json",
+            action="store_true",
+            help="print one JSON document on stdout (keys: README, Managing checkpoints)",
+        )
         p.set_defaults(fn=fn)
         return p
 
-    p = add("ls", cmd_ls, "list committed checkpoints")
-    p.add_argument("--json", action="store_true")
+    add("ls", cmd_ls, "list committed checkpoints")
     p = add("show", cmd_show, "show one checkpoint's manifest (default: the latest)")
     p.add_argument("--step", type=int)
-    p.add_argument("--json", action="store_true")
     p = add(
         "verify",
         cmd_verify,

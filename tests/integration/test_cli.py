@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,13 +21,18 @@ from trainer_sidecar import CheckpointConfig, Checkpointer, CheckpointError
 pytestmark = pytest.mark.integration
 
 
-def ctj(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def ctj(
+    *args: str,
+    env: dict[str, str] | None = None,
+    cwd: str | Path = ROOT,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "trainer_sidecar", *args],
         capture_output=True,
         text=True,
-        timeout=300,
-        cwd=ROOT,
+        timeout=timeout,
+        cwd=cwd,
         env=dict(os.environ, **(env or {})),
     )
 
@@ -154,8 +162,6 @@ def test_state_that_does_not_match_the_checkpoint(s3_uri: str) -> None:
 def test_one_unreadable_manifest_among_good_ones(s3_uri: str) -> None:
     """ls, show and verify report an unreadable manifest as such and go on with the rest;
     verify exits 1 when any is bad."""
-    import json
-
     import torch
 
     from trainer_sidecar.format.manifest import manifest_key
@@ -198,3 +204,137 @@ def test_one_unreadable_manifest_among_good_ones(s3_uri: str) -> None:
     assert out.returncode == 1 and "step 3: unreadable: " in out.stdout, out
     out = ctj("checkpoints", "verify", s3_uri, "--step", "1")
     assert out.returncode == 0 and "step 1: ok" in out.stdout, out
+
+
+# -- the traps a user found (issue 28.6): each a one-line error, exit 2, nothing created --
+
+
+@pytest.mark.parametrize("uri", ["s3:/bucket/x", "s3:bucket/x", "file:relative/x"])
+@pytest.mark.parametrize("command", [["ls"], ["rm", "1"]])
+def test_a_malformed_uri_is_refused_and_creates_nothing(
+    uri: str, command: list[str], tmp_path: Path
+) -> None:
+    out = ctj("checkpoints", command[0], uri, *command[1:], cwd=tmp_path)
+    assert_one_line_error(out, repr(uri), "use s3://bucket/prefix")
+    assert list(tmp_path.iterdir()) == [], "a malformed URI created a path"
+
+
+@pytest.mark.parametrize(
+    "command", [["ls"], ["show"], ["verify"], ["gc"], ["gc", "--dry-run"], ["rm", "1"]]
+)
+def test_a_missing_directory_is_an_error_and_is_not_created(
+    command: list[str], tmp_path: Path
+) -> None:
+    missing = tmp_path / "no" / "such"
+    out = ctj("checkpoints", command[0], f"file://{missing}", *command[1:])
+    assert_one_line_error(out, str(missing), "does not exist")
+    assert list(tmp_path.iterdir()) == [], "the command created the directory"
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "command", "fix"),
+    [
+        ("CTJ_S3_MAX_ATTEMPTS", "oops", "ls", "set CTJ_S3_MAX_ATTEMPTS to"),
+        ("CTJ_S3_MAX_ATTEMPTS", "0", "ls", "1 or more"),
+        ("CTJ_S3_ALLOW_UNCONDITIONAL_WRITES", "maybe", "ls", "use 1 or 0"),
+        ("AWS_ENDPOINT_URL", "minio:9000", "ls", "use http(s)://host[:port]"),
+        ("AWS_ENDPOINT_URL", "http://minio:port", "ls", "use http(s)://host[:port]"),
+        ("AWS_ENDPOINT_URL", "http://key:s3cret@", "ls", "use http(s)://host[:port]"),
+        ("AWS_REGION", "us east 1", "ls", "one like us-east-1"),
+        ("AWS_PROFILE", "no-such-profile", "ls", "fix AWS_PROFILE, or unset it"),
+        ("CTJ_TRUST_PICKLED_VALUES", "oops", "verify", "use 1 or 0"),
+    ],
+)
+def test_a_bad_environment_setting_is_one_line_naming_it(
+    var: str, value: str, command: str, fix: str, s3_uri: str
+) -> None:
+    out = ctj("checkpoints", command, s3_uri, env={var: value})
+    assert_one_line_error(out, var, fix)
+    assert "s3cret" not in out.stderr, out.stderr
+
+
+@pytest.fixture
+def closed_endpoint() -> Iterator[str]:
+    """A loopback port bound and not listening: every connect is refused at once (and no
+    other process can take the port meanwhile)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture
+def blackholed_endpoint() -> Iterator[str]:
+    """A loopback port whose connects hang, as to an address that drops every packet: a
+    listener with a backlog of 0 whose one queued connection is never accepted, so the
+    kernel drops every further SYN."""
+    with socket.socket() as listener, socket.socket() as filler:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        filler.connect(listener.getsockname())
+        with socket.socket() as check:  # the queue is full: a connect now times out
+            check.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                check.connect(listener.getsockname())
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("kind", ["closed", "blackholed"])
+def test_an_unreachable_endpoint_is_reported_within_seconds(
+    kind: str, request: pytest.FixtureRequest, s3_env: dict[str, str]
+) -> None:
+    """With the default retries (the sidecar's, six attempts) the CLI's first contact
+    still gives up within seconds, saying what it tried."""
+    endpoint = request.getfixturevalue(f"{kind}_endpoint")
+    started = time.monotonic()
+    out = ctj(
+        "checkpoints", "ls", "s3://some-bucket/jobs/x", env={"AWS_ENDPOINT_URL": endpoint},
+        timeout=20,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert_one_line_error(out, endpoint, "bucket 'some-bucket'", "AWS_ENDPOINT_URL")
+    assert elapsed < 10, f"{kind}: reported after {elapsed:.1f}s"
+
+
+def test_json_on_every_command(s3_uri: str, tmp_path: Path) -> None:
+    """--json: one JSON document on stdout with the keys README documents; on a mistake,
+    nothing on stdout and the one-line error on stderr."""
+    import torch
+
+    with Checkpointer(CheckpointConfig(uri=s3_uri, keep_last=0)) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, model=torch.nn.Linear(8, 8)).result()  # type: ignore[union-attr]
+
+    def run(*args: str, rc: int = 0) -> object:
+        out = ctj("checkpoints", *args, "--json")
+        assert out.returncode == rc, (args, out.stdout, out.stderr)
+        return json.loads(out.stdout)
+
+    listed = run("ls", s3_uri)
+    assert [r["step"] for r in listed] == [1, 2], listed  # type: ignore[union-attr]
+    assert set(listed[0]) == {  # type: ignore[index]
+        "step", "mode", "base_step", "world_size", "logical_bytes", "uploaded_bytes", "created"
+    }  # fmt: skip
+    assert run("show", s3_uri, "--step", "1")["step"] == 1  # type: ignore[index]
+    verified = run("verify", s3_uri, "--all")
+    assert [(r["step"], r["status"], r["problems"]) for r in verified] == [  # type: ignore[union-attr]
+        (1, "ok", []),
+        (2, "ok", []),
+    ], verified
+    assert verified[0]["logical_bytes"] > 0, verified  # type: ignore[index]
+    assert run("rm", s3_uri, "1") == {"removed": [1]}
+    for dry_run in (True, False):
+        report = run("gc", s3_uri, "--grace", "0", *(["--dry-run"] if dry_run else []))
+        assert report == {
+            "dry_run": dry_run,
+            "deleted_chunks": report["deleted_chunks"],  # type: ignore[index]
+            "deleted_bytes": report["deleted_bytes"],  # type: ignore[index]
+            "deleted_parts": 0,
+            "deleted_rank_manifests": 1,
+            "kept_chunks": report["kept_chunks"],  # type: ignore[index]
+        }, report
+    exported = run("export", s3_uri, str(tmp_path / "plain"))
+    assert exported == {"step": 2, "out_dir": str(tmp_path / "plain"), "torch_save": None}
+
+    out = ctj("checkpoints", "verify", "s3://no-such-bucket/x", "--json")
+    assert_one_line_error(out, "bucket 'no-such-bucket' does not exist")
+    assert out.stdout == "", out.stdout

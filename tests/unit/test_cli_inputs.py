@@ -4,9 +4,13 @@ fix), and the bounded first contact with S3; and the shapes of ``--json``."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from trainer_sidecar import CheckpointConfig, CheckpointError
+from trainer_sidecar.cli import Problem, main, verdict
 from trainer_sidecar.store.base import Location, uri_problem
 from trainer_sidecar.store.s3 import S3Settings, endpoint_problem, first_contact, region_problem
 
@@ -168,3 +172,63 @@ def test_an_override_is_not_blamed_on_the_environment() -> None:
     with pytest.raises(CheckpointError) as info:
         CheckpointConfig.from_env({"CTJ_CHECKPOINT_URI": "s3://b/p"}, keep_last=-1)
     assert str(info.value).startswith("checkpoint config: keep_last is -1")
+
+
+def corrupt(what: str) -> Problem:
+    return Problem("corrupt", what, "fails its hash check", f"CORRUPT: {what}")
+
+
+@pytest.mark.parametrize(
+    ("problems", "status"),
+    [
+        ([], "ok"),
+        ([corrupt("c1")], "corrupt"),
+        ([corrupt("c1"), Problem("unsafe", "c2", "pickle", "UNSAFE: c2 pickle")], "unsafe"),
+        ([Problem("unreadable", "manifest", "bad json", "unreadable: bad json")], "unreadable"),
+    ],
+)
+def test_verify_verdict_is_the_worst_problem(problems: list[Problem], status: str) -> None:
+    found = verdict(7, 10, problems)
+    assert found.status == status
+    assert found.to_json()["problems"] == [
+        {"kind": p.kind, "what": p.what, "reason": p.reason} for p in problems
+    ]
+
+
+COMMANDS = [["ls"], ["show"], ["verify"], ["gc"], ["gc", "--dry-run"], ["rm", "1"], ["export"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_command_creates_a_missing_directory(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "gone"
+    extra = [str(tmp_path / "out")] if command == ["export"] else []
+    assert main(["checkpoints", command[0], f"file://{missing}", *command[1:], *extra]) == 2
+    err = capsys.readouterr().err
+    assert err == f"ctj: error: checkpoint directory {missing} does not exist: check the URI " \
+        "(a job creates its directory at its first save)\n"  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_json_of_an_empty_location(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    uri = f"file://{tmp_path}"
+
+    def run(*args: str) -> tuple[int, str, str]:
+        rc = main(["checkpoints", args[0], uri, *args[1:], "--json"])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    assert run("ls") == (0, "[]\n", "")
+    rc, out, _ = run("gc", "--dry-run")
+    assert rc == 0 and json.loads(out) == {
+        "dry_run": True,
+        "deleted_chunks": 0,
+        "deleted_bytes": 0,
+        "deleted_parts": 0,
+        "kept_chunks": 0,
+        "deleted_rank_manifests": 0,
+    }
+    # a mistake: nothing on stdout, the one-line error on stderr
+    assert run("verify") == (2, "", "ctj: error: no committed checkpoint at this location\n")
+    assert run("rm", "3") == (2, "", "ctj: error: no committed checkpoint at step(s) [3]\n")
