@@ -95,6 +95,22 @@ def test_a_corrupt_rank_manifest_fails_verify_and_stops_gc(s3_uri: str) -> None:
     out = ctj("checkpoints", "verify", s3_uri)
     assert out.returncode == 1, out
     assert f"step 1: CORRUPT: rank 0's manifest {key} fails its hash check" in out.stdout, out
+    out = ctj("checkpoints", "verify", s3_uri, "--json")
+    assert out.returncode == 1, out
+    assert json.loads(out.stdout) == [
+        {
+            "step": 1,
+            "status": "corrupt",
+            "logical_bytes": repo.read_manifest(store, 1).logical_bytes,
+            "problems": [
+                {
+                    "kind": "corrupt",
+                    "what": f"rank 0's manifest {key}",
+                    "reason": "fails its hash check",
+                }
+            ],
+        }
+    ], out.stdout
     out = ctj("checkpoints", "gc", s3_uri, "--grace", "0")
     assert out.returncode == 2 and "gc stopped, nothing deleted" in out.stderr, out
     assert "ctj checkpoints rm 1" in out.stderr, out.stderr
@@ -200,6 +216,13 @@ def test_one_unreadable_manifest_among_good_ones(s3_uri: str) -> None:
     assert out.returncode == 1, (out.stdout, out.stderr)
     assert "step 1: ok" in out.stdout and "step 2: unreadable: " in out.stdout, out.stdout
     assert "step 3: unreadable: not a ctj checkpoint manifest" in out.stdout, out.stdout
+    out = ctj("checkpoints", "verify", s3_uri, "--all", "--json")
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    rows = {r["step"]: r for r in json.loads(out.stdout)}
+    assert [rows[s]["status"] for s in (1, 2, 3)] == ["ok", "unreadable", "unreadable"], rows
+    assert rows[3]["problems"] == [
+        {"kind": "unreadable", "what": "manifest", "reason": "not a ctj checkpoint manifest"}
+    ], rows
     out = ctj("checkpoints", "verify", s3_uri)  # the latest: unreadable
     assert out.returncode == 1 and "step 3: unreadable: " in out.stdout, out
     out = ctj("checkpoints", "verify", s3_uri, "--step", "1")
