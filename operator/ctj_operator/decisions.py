@@ -382,7 +382,9 @@ def target_size(obs: Observation, suspect: Mapping[str, float]) -> int:
 def decide(obs: Observation) -> Plan:
     state = obs.state
     if state.phase in TERMINAL:
-        return _observed(obs, _finished(obs))
+        finished = _finished(obs)
+        deleted = any(isinstance(a, DeleteJob) for a in finished.actions)
+        return finished if deleted else _observed(obs, finished)
     newer = [p for p in obs.pods if p.attempt > state.attempt]
     if newer:
         return Plan(

@@ -84,6 +84,14 @@ def test_a_finished_job_is_deleted_once_its_ttl_is_over(phase: Phase) -> None:
     assert decide(observe(state, [], nodes(3), T0 + 150, job=job)).actions == (DeleteJob(T0 + 50),)
 
 
+def test_a_job_past_its_ttl_is_deleted_without_writing_its_status_first() -> None:
+    state = finished(Phase.FAILED, T0)
+    seen = dataclasses.replace(
+        observe(state, [], nodes(3), T0 + 10, job=spec(ttlSecondsAfterFinished=5)), generation=7
+    )
+    assert decide(seen).actions == (DeleteJob(T0),)
+
+
 def test_a_ttl_of_zero_deletes_at_once_and_no_ttl_never() -> None:
     state = finished(Phase.SUCCEEDED, T0)
     plan = decide(observe(state, [], nodes(3), T0, job=spec(ttlSecondsAfterFinished=0)))
