@@ -44,8 +44,7 @@ from .errors import (
 from .format.manifest import Manifest
 from .store import repository as repo
 from .store.base import Location, ObjectStore
-from .store.s3 import S3Settings, S3Store, endpoint_problem, open_store
-from .store.s3_errors import redact
+from .store.s3 import S3Settings, S3Store, endpoint_problem, open_store, shown_endpoint
 
 
 def _size(n: float) -> str:
@@ -76,7 +75,7 @@ def _s3_settings(endpoint_url: str | None) -> S3Settings:
         problem = endpoint_problem(endpoint_url)
         if problem is not None:
             raise CheckpointError(
-                f"--endpoint-url {redact(endpoint_url)!r} {problem}: "
+                f"--endpoint-url {shown_endpoint(endpoint_url)!r} {problem}: "
                 "use http(s)://host[:port], e.g. http://minio:9000"
             )
     return S3Settings.from_env(endpoint_url=endpoint_url)

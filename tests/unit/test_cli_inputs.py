@@ -44,6 +44,7 @@ def test_a_well_formed_uri_parses(uri: str, want: Location) -> None:
         ("s3://bucket/a//b", "has an empty, '.' or '..' segment"),
         ("s3://bucket/a/../b", "has an empty, '.' or '..' segment"),
         ("s3:///x", "names no bucket"),
+        ("s3://[bucket/x", "does not parse as a URI"),
         ("file://host/x", "has a host"),
         ("gs://bucket/x", "has an unsupported URI scheme 'gs'"),
         ("", "is empty"),
@@ -77,6 +78,7 @@ def test_credentials_in_a_uri_are_refused_and_never_repeated() -> None:
         ("http://minio:70000", "has a port that is not a number"),
         ("http://", "names no host"),
         ("http://a b:9000", "is not a valid URL"),
+        ("http://[::1:9000", "is not a valid URL"),
     ],
 )
 def test_endpoint_problem(url: str, problem: str | None) -> None:
@@ -100,6 +102,7 @@ def test_region_problem(region: str, ok: bool) -> None:
         ("AWS_ENDPOINT_URL", "minio:9000", ["AWS_ENDPOINT_URL='minio:9000' has no scheme"]),
         ("AWS_ENDPOINT_URL_S3", "http://h:x", ["AWS_ENDPOINT_URL_S3='http://h:x' has a port"]),
         ("AWS_ENDPOINT_URL", "http://k:s3cret@", ["AWS_ENDPOINT_URL='http://' names no host"]),
+        ("AWS_ENDPOINT_URL", "http://k:s3cret@[::1", ["AWS_ENDPOINT_URL='http://[::1'"]),
         ("AWS_REGION", "us east", ["AWS_REGION='us east' is not a region name"]),
         ("AWS_DEFAULT_REGION", "us east", ["AWS_DEFAULT_REGION='us east'"]),
     ],

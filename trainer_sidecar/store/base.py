@@ -85,7 +85,10 @@ def uri_problem(uri: str) -> str | None:
         if _SCHEME.match(uri):
             return "has a scheme without '://' (e.g. s3:/bucket)"
         return None  # a plain path
-    parsed = urlparse(uri)
+    try:
+        parsed = urlparse(uri)
+    except ValueError:  # e.g. an unclosed '['
+        return "does not parse as a URI"
     if parsed.scheme not in ("s3", "file"):
         return f"has an unsupported URI scheme {parsed.scheme!r}"
     if "?" in uri or "#" in uri:

@@ -89,9 +89,12 @@ def _flag(name: str, value: str) -> bool:
 def endpoint_problem(url: str) -> str | None:
     """Why ``url`` is no S3 endpoint, in words that never repeat it (it may carry a
     user:password); None when it is one."""
-    parts = urlsplit(url)
     if "://" not in url:
         return "has no scheme"
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unclosed '[' of an IPv6 address
+        return "is not a valid URL"
     if parts.scheme not in ("http", "https"):
         return f"has the scheme {parts.scheme!r}, not http or https"
     try:
@@ -105,6 +108,16 @@ def endpoint_problem(url: str) -> str | None:
     return None
 
 
+def shown_endpoint(url: str) -> str:
+    """``url`` as an error may name it: without any user:password@, even where it does not
+    parse."""
+    try:
+        return redact(url)
+    except ValueError:
+        scheme, sep, rest = url.partition("://")
+        return scheme + sep + rest.rpartition("@")[2]
+
+
 def region_problem(region: str) -> str | None:
     """Why ``region`` is no region name botocore accepts; None when it is one."""
     return None if _REGION.fullmatch(region) else "is not a region name"
@@ -113,7 +126,7 @@ def region_problem(region: str) -> str | None:
 def _setting(var: str, value: str, problem: str | None, fix: str) -> str:
     """``value`` of the environment variable ``var``, or the one-line error naming both."""
     if problem is not None:
-        raise CheckpointError(f"{var}={redact(value)!r} {problem}: {fix}")
+        raise CheckpointError(f"{var}={shown_endpoint(value)!r} {problem}: {fix}")
     return value
 
 
@@ -154,7 +167,7 @@ class S3Settings:
         if self.endpoint_url is not None:
             problem = endpoint_problem(self.endpoint_url)
             if problem is not None:
-                shown = redact(self.endpoint_url)
+                shown = shown_endpoint(self.endpoint_url)
                 raise CheckpointError(f"S3 endpoint {shown!r} {problem}: {_ENDPOINT_FIX}")
         if self.region is not None and region_problem(self.region) is not None:
             raise CheckpointError(f"S3 region {self.region!r} is not a region name: e.g. us-east-1")
