@@ -218,11 +218,11 @@ def test_a_gpu_job_without_the_toleration_waits_naming_the_taint_until_it_tolera
 
     def waiting() -> dict[str, Any] | None:
         st = status(op_cluster, ns, name)
-        first = (st.get("conditions") or [{}])[0]
-        ok = first.get("type") == "Waiting" and first.get("reason") == "InsufficientNodes"
-        return first if ok else None
+        queued = _conditions(st).get("Queued") or {}
+        ok = queued.get("status") == "True" and queued.get("reason") == "InsufficientNodes"
+        return queued if ok else None
 
-    cond = wait_for(waiting, "Waiting/InsufficientNodes", 60)
+    cond = wait_for(waiting, "Queued/InsufficientNodes", 60)
     message = cond["message"]
     assert "0 nodes can run a rank; the job needs at least 1" in message, message
     assert "taint nvidia.com/gpu=present:NoSchedule not tolerated" in message, message
