@@ -13,16 +13,15 @@ import dataclasses
 import logging
 import os
 import pickle
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.conftest import ROOT
 from trainer_sidecar import CheckpointConfig, Checkpointer, CheckpointError, PendingSave
+from trainer_sidecar.cli import main as cli_main
 from trainer_sidecar.format.chunking import hash_chunk
 from trainer_sidecar.format.manifest import (
     METADATA_FILE,
@@ -57,14 +56,30 @@ class Custom:
     n: int
 
 
-def ctj(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "trainer_sidecar", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+@dataclasses.dataclass(frozen=True)
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+Ctj = Callable[..., Ran]
+
+
+@pytest.fixture
+def ctj(capsys: pytest.CaptureFixture[str]) -> Ctj:
+    """``ctj ARGS`` run in this process (cli.main: what ``python -m trainer_sidecar`` runs),
+    not in a new one: the command's code is the same, without a torch import per call
+    (~5 s each here). An exception the CLI does not turn into its one-line error fails
+    the test, as a traceback on stderr would."""
+
+    def run(*args: str) -> Ran:
+        capsys.readouterr()
+        rc = cli_main(list(args))
+        out, err = capsys.readouterr()
+        return Ran(rc, out, err)
+
+    return run
 
 
 def model(seed: int) -> torch.nn.Sequential:
@@ -158,7 +173,7 @@ def restore_failures(ckpt: Checkpointer) -> float:
 
 @pytest.mark.parametrize("where", ["metadata", "value"])
 def test_a_hostile_checkpoint_is_never_run_and_load_falls_back(
-    where: str, s3_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    where: str, s3_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, ctj: Ctj
 ) -> None:
     config = CheckpointConfig(uri=s3_uri, mode=Mode.FULL)
     saved = save_steps(config, [1, 2])
@@ -261,7 +276,7 @@ def rename_data_file(store: ObjectStore, step: int, new: str, *, in_manifest: bo
 @pytest.mark.parametrize("in_manifest", [True, False], ids=["manifest", "metadata"])
 @pytest.mark.parametrize("target", ["../evil", "ABSOLUTE", "sub/evil", "evil\0x"])
 def test_export_refuses_names_outside_its_directory(
-    target: str, in_manifest: bool, s3_uri: str, tmp_path: Path
+    target: str, in_manifest: bool, s3_uri: str, tmp_path: Path, ctj: Ctj
 ) -> None:
     config = CheckpointConfig(uri=s3_uri)
     save_steps(config, [1])
