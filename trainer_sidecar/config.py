@@ -25,6 +25,7 @@ from .format.manifest import Mode
 from .store.base import Location
 
 _ATTEMPT = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_JOB_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 def default_staging_root() -> str:
@@ -155,6 +156,14 @@ class CheckpointConfig:
     """The sidecar serves this node's cache to the peers on this port (None: doesn't)."""
     cache_token: str | None = dataclasses.field(default=None, repr=False)
     """The job's secret for the peer caches (CTJ_CACHE_TOKEN); never logged."""
+    resume_from: str | None = None
+    """Seed a run whose location holds no committed checkpoint yet from the newest committed
+    one here, read-only (CTJ_RESUME_FROM; spec.checkpoint.resumeFrom): a checkpoint location,
+    or with ``resume_from_job`` the directory holding that job's locations. Read with this
+    config's endpoint and credentials."""
+    resume_from_job: str | None = None
+    """A job's name (CTJ_RESUME_FROM_JOB): its locations are ``resume_from/<name>-<uid>``, one
+    per uid; the newest commit among them is the source (load/resume.py)."""
 
     def __post_init__(self) -> None:
         try:
@@ -189,6 +198,19 @@ class CheckpointConfig:
             raise bad("shutdown_grace_s/slot_wait_timeout_s", "must be positive")
         if self.cache_dir is not None and self.cache_max_bytes < self.chunk_size:
             raise bad("cache_max_bytes", f"is {self.cache_max_bytes}: use at least chunk_size")
+        if self.resume_from is not None:
+            try:
+                Location.parse(self.resume_from)
+            except CheckpointError as exc:
+                raise _FieldError("resume_from", f"checkpoint config: resume_from: {exc}") from None
+        if self.resume_from_job is not None and (
+            self.resume_from is None or not _JOB_NAME.fullmatch(self.resume_from_job)
+        ):
+            raise bad(
+                "resume_from_job",
+                f"is {self.resume_from_job!r}: use a job's name (a-z 0-9 - .) together with "
+                "resume_from (the directory of its locations)",
+            )
         object.__setattr__(self, "cache_peers", tuple(p for p in self.cache_peers if p))
         if (self.cache_peers or self.cache_port is not None) and (
             self.cache_token is None or len(self.cache_token) < 16
@@ -227,6 +249,8 @@ class CheckpointConfig:
             "cache_peers": (Env.CACHE_PEERS, _peer_list),
             "cache_port": (Env.CACHE_PORT, int),
             "cache_token": (Env.CACHE_TOKEN, str),
+            "resume_from": (Env.RESUME_FROM, str),
+            "resume_from_job": (Env.RESUME_FROM_JOB, str),
         }
         values: dict[str, Any] = {}
         for field, (var, typ) in names.items():

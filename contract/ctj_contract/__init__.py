@@ -87,6 +87,13 @@ class Env:
     STAGING_DIR = "CTJ_STAGING_DIR"
     SIDECAR = "CTJ_SIDECAR"
     """"1": a sidecar process persists what the trainer stages."""
+    RESUME_FROM = "CTJ_RESUME_FROM"
+    """A job with no committed checkpoint of its own is seeded from the newest committed one
+    here (spec.checkpoint.resumeFrom), read-only: a checkpoint location URI; or, with
+    ``RESUME_FROM_JOB``, the directory that holds a job's locations (``<uri>/<namespace>``)."""
+    RESUME_FROM_JOB = "CTJ_RESUME_FROM_JOB"
+    """spec.checkpoint.resumeFrom named a job: its locations are ``RESUME_FROM/<name>-<uid>``
+    (every uid the name had); the trainer seeds from the newest commit among them."""
     S3_ENDPOINT = "AWS_ENDPOINT_URL"
     S3_ACCESS_KEY = "AWS_ACCESS_KEY_ID"
     S3_SECRET_KEY = "AWS_SECRET_ACCESS_KEY"

@@ -25,7 +25,7 @@ from ctj_contract import (
     Env,
 )
 
-from .spec import Backend, JobSpec
+from .spec import Backend, JobSpec, resume_source
 
 MASTER_PORT = 29500
 METRICS_PORT = 9400
@@ -116,6 +116,18 @@ def _storage_env(spec: JobSpec, uri: str) -> list[dict[str, Any]]:
                     "valueFrom": {"secretKeyRef": {"name": ck.credentials_secret, "key": key}},
                 }
             )
+    return env
+
+
+def _resume_env(spec: JobSpec, uri: str) -> list[dict[str, Any]]:
+    """spec.checkpoint.resumeFrom for the trainer (only it loads): read when the job's own
+    location ``uri`` holds no committed checkpoint yet."""
+    source = resume_source(spec, uri)
+    if source is None:
+        return []
+    env = [{"name": Env.RESUME_FROM, "value": source.uri}]
+    if source.job is not None:
+        env.append({"name": Env.RESUME_FROM_JOB, "value": source.job})
     return env
 
 
@@ -253,6 +265,7 @@ def _trainer_pod_spec(spec: JobSpec, uri: str, extra_env: list[dict[str, Any]]) 
         trainer,
         _storage_env(spec, uri)
         + [{"name": Env.SAVE_EVERY, "value": str(spec.checkpoint.interval_steps)}]
+        + _resume_env(spec, uri)
         + extra_env,
     )
     trainer.setdefault("volumeMounts", []).append(

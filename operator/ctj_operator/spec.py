@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from typing import Any
 
 from .quantities import parse_quantity
@@ -82,6 +83,12 @@ class CheckpointSpec:
     sidecar_resources: dict[str, Any] | None = None
     staging_size_limit: str = "8Gi"
     node_cache: NodeCache | None = None
+    resume_from: str | None = None
+    """Seed from another job's checkpoints: a location URI or a job's name (``ResumeSource``)."""
+
+    def __post_init__(self) -> None:
+        if self.resume_from is not None:
+            _resume_from(self.resume_from)  # raises SpecError naming the field
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,6 +186,7 @@ class JobSpec:
                 sidecar_resources=ck.get("sidecarResources") or None,
                 staging_size_limit=str(ck.get("stagingSizeLimit", "8Gi")),
                 node_cache=_node_cache(dict(ck.get("nodeCache") or {}), node_cache),
+                resume_from=ck.get("resumeFrom") or None,
             ),
             max_restarts=int(restart.get("maxRestarts", 10)),
             backoff_seconds=float(restart.get("backoffSeconds", 2.0)),
@@ -204,3 +212,55 @@ def _optional_int(raw: object) -> int | None:
 def job_checkpoint_uri(spec: JobSpec, namespace: str, name: str, uid: str) -> str:
     """One location per job instance: <uri>/<namespace>/<name>-<uid>."""
     return f"{spec.checkpoint.uri.rstrip('/')}/{namespace}/{name}-{uid}"
+
+
+# the CRD's patterns for spec.checkpoint.uri and for a job's name (metadata.name: a DNS-1123
+# subdomain); tests/unit/test_resume_from_spec.py keeps these and the CRD's in step
+URI_PATTERN = re.compile(
+    r"(s3://[A-Za-z0-9._-]+(/[^/?#@]*[^/?#@.][^/?#@]*)*/?|file://(localhost)?/[^?#]*)"
+)
+NAME_PATTERN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResumeSource:
+    """Where a job with no checkpoint of its own is seeded from (spec.checkpoint.resumeFrom).
+
+    ``uri`` alone: one checkpoint location (``kubectl get ctj OLD -o
+    jsonpath='{.status.storage.uri}'``, or a path ``ctj checkpoints ls`` shows). ``uri`` and
+    ``job``: the directory of the namespace's locations under the job's own
+    ``spec.checkpoint.uri``, and the name whose locations (``<job>-<uid>``, one per uid the
+    name had) the trainer looks through: it picks the newest commit among them, since a
+    deleted job's uid is known to nobody (the operator holds no S3 credentials and cannot
+    list; docs/operator.md, "Resume from another job")."""
+
+    uri: str
+    job: str | None = None
+
+
+def _resume_from(raw: str) -> str:
+    if "://" in raw:
+        if not URI_PATTERN.fullmatch(raw):
+            raise SpecError(
+                f"spec.checkpoint.resumeFrom={raw!r} is not a checkpoint location: use "
+                "s3://bucket/prefix/<namespace>/<job>-<uid> (the old job's status.storage.uri) "
+                "or the old job's name"
+            )
+    elif len(raw) > 253 or not NAME_PATTERN.fullmatch(raw):
+        raise SpecError(
+            f"spec.checkpoint.resumeFrom={raw!r} is neither a URI nor a job's name: use the "
+            "old job's name (lowercase letters, digits, '-', '.') or its s3:// location"
+        )
+    return raw
+
+
+def resume_source(spec: JobSpec, location: str) -> ResumeSource | None:
+    """What the trainer seeds from, if the job has no checkpoint of its own (pure).
+    ``location``: the job's own (``job_checkpoint_uri``, or status.storage): a job named
+    in resumeFrom has its locations beside it, ``<uri>/<namespace>/<name>-<uid>``."""
+    raw = spec.checkpoint.resume_from
+    if raw is None:
+        return None
+    if "://" in _resume_from(raw):
+        return ResumeSource(raw)
+    return ResumeSource(location.rstrip("/").rsplit("/", 1)[0], job=raw)

@@ -175,7 +175,11 @@ def test_every_environment_name_the_operator_writes_is_the_contract_s() -> None:
     Env name reaches some container of some pod."""
     contract = {v for k, v in vars(Env).items() if k.isupper()}
     written: set[str] = set()
-    for spec in (job_spec(), job_spec(node_cache=False)):
+    seeded = job_spec()  # spec.checkpoint.resumeFrom: a job's name
+    seeded = dataclasses.replace(
+        seeded, checkpoint=dataclasses.replace(seeded.checkpoint, resume_from="train")
+    )
+    for spec in (job_spec(), job_spec(node_cache=False), seeded):
         pod = builders.build_pod(BODY, spec, uri="s3://b/p", attempt=1, world_size=2, node_rank=0)
         for container in (*pod["spec"]["initContainers"], *pod["spec"]["containers"]):
             written |= {e["name"] for e in container.get("env") or []}
