@@ -27,6 +27,28 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
     return {c["type"]: c for c in status.get("conditions") or []}.get(kind, {})
 
 
+def kubectl_wait(cluster: Harness, namespace: str, name: str, *conditions: str) -> None:
+    """``kubectl wait --for=condition=...`` on the job, each in turn, as a user or a GitOps
+    tool follows it: it returns only once the condition holds for the job's current
+    generation (kubectl compares the condition's observedGeneration)."""
+    for cond in conditions:
+        cluster.kubectl("wait", f"ctj/{name}", "-n", namespace, f"--for=condition={cond}",
+                        "--timeout=60s")  # fmt: skip
+
+
+def assert_standard_conditions(cluster: Harness, namespace: str, name: str) -> None:
+    """A running job as standard tooling reads it: Running True, the other phases False,
+    and status and every condition observed at the job's generation."""
+    job = cluster.job(namespace, name)
+    st, generation = job.get("status") or {}, job["metadata"]["generation"]
+    states = {c["type"]: c["status"] for c in st.get("conditions") or []}
+    assert states.get("Running") == "True", st.get("conditions")
+    for kind in ("Queued", "Restarting", "Succeeded", "Failed"):
+        assert states.get(kind, "False") == "False", st.get("conditions")
+    assert st.get("observedGeneration") == generation, (st.get("observedGeneration"), generation)
+    assert all(c.get("observedGeneration") == generation for c in st["conditions"]), st
+
+
 @dataclass
 class NodeLoss:
     """What the node-loss step saw."""
@@ -83,6 +105,8 @@ class Lifecycle:
         the restored event and the first step after it."""
         c, ns = self.cluster, self.namespace
         st = c.wait_running(ns, self.name, world, after=self.attempt)
+        kubectl_wait(c, ns, self.name, "Running", "Restarting=false")
+        assert_standard_conditions(c, ns, self.name)
         restored, first = c.restored(ns, self.name, int(st["attempt"]))
         assert restored["world_size"] == world, restored
         assert restored["step"] >= not_before, f"step {not_before} was committed, then lost"
@@ -110,6 +134,8 @@ class Lifecycle:
         row = dict(zip(header, table[1].split(), strict=False))
         assert "STEP" in header and int(row["STEP"]) >= last["step"], table
         assert row["PHASE"] == "Running" and row["WORLD"] == "3", table
+        kubectl_wait(c, ns, name, "Running", "Queued=false")
+        assert_standard_conditions(c, ns, name)
         if self.backend == "pytorchjob":  # the controller's pods, owned by our PyTorchJob
             for pod in c.attempt_pods(ns, name, st["attempt"]):
                 (owner,) = pod.metadata.owner_references
