@@ -40,6 +40,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ from . import __version__, collectives
 from .config import CheckpointConfig, job_staging_dir
 from .errors import CheckpointError, SaveFailed
 from .format.manifest import Manifest, SaveIdentity
+from .load import resume
 from .load.restore import LoadResult, RestoreSettings, restore
 from .metrics import CheckpointMetrics, serve
 from .parts import Parts
@@ -392,9 +394,15 @@ class Checkpointer:
         A run that loaded has resumed from what this location holds (the newest usable
         checkpoint, or the one it asked for): its saves are not refused for the steps
         above (a fallback past a corrupt newest one must still save).
+
+        Where this location holds no committed checkpoint and ``config.resume_from`` is
+        set (spec.checkpoint.resumeFrom), the run is seeded from the newest committed one
+        there, read-only (load/resume.py; ``LoadResult.source`` says where from); its saves
+        still go to its own location, so a later load finds its own checkpoints first. A
+        source with nothing committed raises ``ResumeSourceError``, never a start from 0.
         """
-        result = restore(
-            self.store,
+        load = functools.partial(
+            restore,
             model=model,
             optimizer=optimizer,
             extra=extra,
@@ -407,5 +415,31 @@ class Checkpointer:
             group=self.group,
             tiers=self._parts.tiers(),
         )
+        result = load(self.store)
+        if result is None and self.config.resume_from is not None:
+            result = self._seed(load)
         self._start_checked = True  # resumed (collective: every rank got here)
         return result
+
+    def _seed(self, load: Callable[[ObjectStore], LoadResult | None]) -> LoadResult:
+        """Collective: load the resume source's newest usable commit (rank 0 resolves it)."""
+        seed = collectives.decided_by_rank0(
+            functools.partial(resume.resolve, self.config), self.group
+        )
+        result = load(resume.open_source(seed.uri, self.config))
+        if result is None:  # its checkpoints went between the two looks (a `rm`, a gc)
+            raise resume.ResumeSourceError(
+                f"{resume.FIELD}: {seed.uri} had step {seed.step} committed, then none: "
+                "was it removed meanwhile? Check it with `ctj checkpoints ls`"
+            )
+        passed = f" (newer than {', '.join(c.uri for c in seed.others)})" if seed.others else ""
+        log.warning(
+            "resumed from step %d of %s%s (%s); this job's own location %s had no checkpoint, "
+            "and its saves go there",
+            result.step,
+            seed.uri,
+            passed,
+            resume.FIELD,
+            self.config.uri,
+        )
+        return dataclasses.replace(result, source=seed.uri)

@@ -57,6 +57,9 @@ class LoadResult:
     seconds: float
     bytes_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     """This rank's bytes by tier (local, peer, s3); rank 0's include the ``.metadata``."""
+    source: str | None = None
+    """Where it was loaded from when not the run's own location: the resume source (a job
+    seeded by spec.checkpoint.resumeFrom); None for the run's own checkpoints."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
