@@ -4,18 +4,34 @@ The trainer side records stall and restore; the persister (sidecar or the
 in-process thread) records upload, commit, bytes, failures and last success.
 Each component gets a ``CheckpointMetrics`` over a registry it is handed, so
 tests use a fresh registry and processes can serve theirs on /metrics.
+
+No series here names its job: in a cluster the chart's PodMonitor labels every sidecar
+series with ``namespace`` and ``job_name`` (from the pod's job-name label), which stay the
+same across the job's attempts while the pod names change.
+
+``python -m trainer_sidecar.metrics wait-ready`` is the sidecar's startup probe: it waits,
+inside the container, until /readyz answers 200, so a healthy start fails no probe (an
+HTTP probe fails, and emits a Warning event, while the server is still importing).
 """
 
 from __future__ import annotations
 
+import argparse
 import http.server
 import os
+import sys
 import threading
-from collections.abc import Callable, Iterator
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 
+from ctj_contract import Env
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from . import __version__
 
 # from 1 ms (a stall) to ~17 min (a large upload)
 _BUCKETS = (
@@ -42,6 +58,7 @@ _BUCKETS = (
 FAILURE_STAGES = ("stage", "upload", "commit", "restore")
 RESTORE_TIERS = ("local", "peer", "s3")  # load/tiers.py
 BYTE_KINDS = ("logical", "uploaded", "deduplicated")
+COMPONENT = "checkpoint"  # ctj_build_info's component (sidecar or in-process); the operator's
 
 
 class CheckpointMetrics:
@@ -51,6 +68,13 @@ class CheckpointMetrics:
         # observations also go to the sidecar (slots.relay_observation), which exports them
         self.relay: Callable[[str, float, str], None] | None = None
         r = self.registry
+        self.build_info = Gauge(
+            "ctj_build_info",
+            "Always 1: the version of ctj this process runs, and which component it is.",
+            ["version", "component"],
+            registry=r,
+        )
+        self.build_info.labels(version=__version__, component=COMPONENT).set(1)
         self.stall = Histogram(
             "ctj_checkpoint_stall_seconds",
             "Time a save blocked the training loop (until the state was staged).",
@@ -255,3 +279,44 @@ def serve(
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="ctj-metrics", daemon=True).start()
     return server
+
+
+def wait_ready(url: str, timeout_s: float, *, poll_s: float = 0.2) -> bool:
+    """Whether ``url`` answers 200 within ``timeout_s``: a refused connection (the server
+    is not listening yet) and a 503 (not ready yet) are asked again until then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=max(0.1, min(left, 2.0))) as response:
+                if response.status == 200:
+                    return True
+        except (OSError, urllib.error.HTTPError):
+            pass
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``wait-ready``: the sidecar's startup probe (exit 0 once /readyz answers 200)."""
+    parser = argparse.ArgumentParser(prog="python -m trainer_sidecar.metrics")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ready = sub.add_parser("wait-ready", help="wait until this container's /readyz is 200")
+    ready.add_argument("--port", type=int, required=True)
+    ready.add_argument(
+        "--host", default=None, help="default: CTJ_METRICS_HOST (the pod IP), else 127.0.0.1"
+    )
+    ready.add_argument("--timeout", type=float, required=True, help="seconds to wait at most")
+    args = parser.parse_args(argv)
+    host = args.host or os.environ.get(Env.METRICS_HOST) or "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 pod IP
+    if wait_ready(f"http://{host}:{args.port}/readyz", args.timeout):
+        return 0
+    print(f"/readyz on {host}:{args.port} not ready within {args.timeout:g}s", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,6 +29,7 @@ from .spec import Backend, JobSpec, resume_source
 
 MASTER_PORT = 29500
 METRICS_PORT = 9400
+SIDECAR_STARTUP_WAIT_S = 25  # one startup probe's wait for /readyz (it exits when ready)
 STAGING_PATH = "/ctj/staging"
 CACHE_PATH = "/ctj/cache"
 CACHE_PORT = 9402  # each sidecar serves its node's chunk cache to the job's peers here
@@ -250,6 +251,29 @@ def _sidecar(spec: JobSpec, uri: str) -> dict[str, Any]:
         + [{"name": Env.METRICS_HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
         "volumeMounts": [{"name": "ctj-staging", "mountPath": STAGING_PATH}],
+        # Without a startup probe the first readiness probes hit a sidecar still importing
+        # (refused) or not yet through to the store (503): an Unhealthy Warning on every
+        # healthy start. The startup probe waits inside the container, in one exec, for
+        # /readyz (readiness probes wait for it), so a healthy start fails no probe. As a
+        # native sidecar's, it also holds the trainer until the sidecar has told it the
+        # store's latest commit; a store still unreachable after ~10 minutes restarts it.
+        "startupProbe": {
+            "exec": {
+                "command": [
+                    "python",
+                    "-m",
+                    "trainer_sidecar.metrics",
+                    "wait-ready",
+                    "--port",
+                    str(METRICS_PORT),
+                    "--timeout",
+                    str(SIDECAR_STARTUP_WAIT_S),
+                ]
+            },
+            "timeoutSeconds": SIDECAR_STARTUP_WAIT_S + 5,
+            "periodSeconds": 1,
+            "failureThreshold": 20,
+        },
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": METRICS_PORT}},
         "securityContext": {"allowPrivilegeEscalation": False},
     }

@@ -60,7 +60,9 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
         plan = invalid_spec(state, invalid, time.time(), generation)
         target = Target(body=body, spec=None)
     else:
-        op.metrics.job_seen(namespace, name, state.phase, state.world_size, state.attempt)
+        op.metrics.job_seen(
+            namespace, name, state.phase, state.world_size, state.attempt, state.last_checkpoint
+        )
         uri = state.storage or job_checkpoint_uri(spec, namespace, name, uid)
         obs = observe(
             spec,

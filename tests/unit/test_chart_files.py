@@ -97,7 +97,18 @@ def test_dashboard_shows_every_metric_the_code_defines() -> None:
     assert missing == set(), f"add a panel to {DASHBOARD.relative_to(ROOT)} for {missing}"
 
 
-_P95 = "histogram_quantile(0.95, sum by (le) (rate({}_bucket["
+JOB_FILTER = 'namespace=~"$namespace", job_name=~"$job"'
+_P95 = "histogram_quantile(0.95, sum by (namespace, job_name, le) (rate({}_bucket{{" + JOB_FILTER
+# series of the operator as a whole: they carry no job to filter by (their panels say
+# "all jobs"); every other series of the dashboard is filtered by both variables
+PROCESS_WIDE = {
+    "ctj_jobs",
+    "ctj_job_restarts_total",
+    "ctj_job_recovery_seconds_bucket",
+    "ctj_job_recovery_seconds_count",
+    'ctj_build_info{component="operator"}',
+}
+_SELECTOR = re.compile(r"\b(ctj_[a-z0-9_]+)(\{[^}]*\})?")
 
 
 @pytest.mark.parametrize(
@@ -107,16 +118,21 @@ _P95 = "histogram_quantile(0.95, sum by (le) (rate({}_bucket["
         ("Upload p50 / p95", _P95.format("ctj_checkpoint_upload_seconds")),
         ("Commit p50 / p95", _P95.format("ctj_checkpoint_commit_seconds")),
         ("Restore p50 / p95", _P95.format("ctj_checkpoint_restore_seconds")),
-        ("Checkpoint bytes rate by kind", "sum by (kind) (rate(ctj_checkpoint_bytes_total["),
-        ("Failures by stage", "sum by (stage) (increase(ctj_checkpoint_failures_total["),
-        ("Time since last committed checkpoint", "time() - max by (namespace, pod) (ctj_"),
-        ("Time since last committed checkpoint", "_timestamp_seconds > 0)"),
-        ("Job restarts by reason", "sum by (reason) (increase(ctj_job_restarts_total["),
-        ("World size and attempt", "max by (namespace, job_name) (ctj_job_world_size)"),
-        ("World size and attempt", "max by (namespace, job_name) (ctj_job_attempt)"),
-        ("Staging volume use", "(ctj_staging_used_bytes / ctj_staging_capacity_bytes)"),
-        ("Recovery time p50 / p95", _P95.format("ctj_job_recovery_seconds")),
-        ("Jobs by phase", "sum by (phase) (ctj_jobs)"),
+        ("Checkpoint bytes rate by kind", "sum by (namespace, job_name, kind) (rate(ctj_chec"),
+        ("Failures by stage", "sum by (namespace, job_name, stage) (increase(ctj_checkpoint_"),
+        ("Time since last committed checkpoint", "time() - max by (namespace, job_name) (ctj_"),
+        ("Time since last committed checkpoint", "_timestamp_seconds{" + JOB_FILTER + "} > 0)"),
+        ("Last committed checkpoint (operator)", "time() - max by (namespace, job_name) (ctj_job"),
+        ("World size and attempt", "max by (namespace, job_name) (ctj_job_world_size{"),
+        ("World size and attempt", "max by (namespace, job_name) (ctj_job_attempt{"),
+        ("Staging volume use", "(ctj_staging_used_bytes{" + JOB_FILTER + "} / ctj_staging_cap"),
+        ("Jobs by phase", "count by (phase) (ctj_job_phase{" + JOB_FILTER + "} == 1)"),
+        ("Job restarts by reason (all jobs)", "sum by (reason) (increase(ctj_job_restarts_total["),
+        (
+            "Recovery time p50 / p95 (all jobs)",
+            "histogram_quantile(0.95, sum by (le) (rate(ctj_job_recovery_seconds_bucket[",
+        ),
+        ("Operator version and jobs tracked (all jobs)", "sum by (phase) (ctj_jobs)"),
     ],
 )
 def test_dashboard_panel_queries(title: str, expected: str) -> None:
@@ -124,6 +140,47 @@ def test_dashboard_panel_queries(title: str, expected: str) -> None:
     assert title in panels
     assert any(expected in t["expr"] for t in panels[title]["targets"])
     assert panels[title]["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+
+
+def unfiltered_selectors(expr: str) -> set[str]:
+    """The series an expression selects without both job variables, as ``name{matchers}``
+    (just ``name`` where it has none)."""
+    return {
+        f"{name}{matchers or ''}"
+        for name, matchers in _SELECTOR.findall(expr)
+        if JOB_FILTER not in (matchers or "")
+    }
+
+
+def test_unfiltered_selectors() -> None:
+    assert unfiltered_selectors('sum(x{a="1"}) + ctj_a{' + JOB_FILTER + "} + ctj_b") == {"ctj_b"}
+    assert unfiltered_selectors('ctj_c{namespace=~"$namespace"}') == {
+        'ctj_c{namespace=~"$namespace"}'
+    }
+
+
+def test_dashboard_has_namespace_and_job_variables_and_every_job_query_uses_them() -> None:
+    """A namespace and a job variable (multi, All = every value, the job's choices within
+    the namespaces chosen), and each series a panel selects filtered by both, but for the
+    operator's process-wide ones, shown in panels titled as over all jobs."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    for name, label in (("namespace", "namespace"), ("job", "job_name")):
+        v = variables[name]
+        assert v["type"] == "query" and v["multi"] and v["includeAll"], name
+        assert v["allValue"] == ".*", name  # also matches a series without the label
+        assert v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        assert v["query"]["query"].startswith("label_values(ctj_job_phase")
+        assert v["query"]["query"].endswith(f", {label})")
+    assert '{namespace=~"$namespace"}' in variables["job"]["query"]["query"]
+    process_wide_panels = set()
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            loose = unfiltered_selectors(target["expr"])
+            assert loose <= PROCESS_WIDE, (panel["title"], loose)
+            if loose:
+                process_wide_panels.add(panel["title"])
+    assert process_wide_panels and all(t.endswith("(all jobs)") for t in process_wide_panels)
 
 
 def test_dashboard_is_well_formed_for_grafana() -> None:

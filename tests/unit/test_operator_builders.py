@@ -87,6 +87,25 @@ def test_pod_and_sidecar_get_the_checkpoint_location_and_credentials_only_as_sec
     assert env_of(spec["containers"][0])["CTJ_SAVE_EVERY"] == "25"
 
 
+def test_sidecar_startup_probe_waits_for_readyz_in_one_exec_before_any_readiness_probe() -> None:
+    """A healthy start fails no probe (no Unhealthy Warning): the startup probe waits, in the
+    container, until /readyz answers, and readiness probes only start after it."""
+    sidecar = pod()["spec"]["initContainers"][-1]
+    startup = sidecar["startupProbe"]
+    command = startup["exec"]["command"]
+    assert command[:4] == ["python", "-m", "trainer_sidecar.metrics", "wait-ready"]
+    assert command[command.index("--port") + 1] == str(builders.METRICS_PORT)
+    wait_s = float(command[command.index("--timeout") + 1])
+    assert wait_s < startup["timeoutSeconds"], "the probe's own wait must end first"
+    attempts = startup["failureThreshold"] * (startup["timeoutSeconds"] + startup["periodSeconds"])
+    assert attempts >= 300, "a slow store gets minutes before the sidecar is restarted"
+    assert sidecar["readinessProbe"]["httpGet"] == {
+        "path": "/readyz",
+        "port": builders.METRICS_PORT,
+    }
+    assert "livenessProbe" not in sidecar
+
+
 def test_sidecar_is_native_and_shares_a_memory_backed_staging_volume() -> None:
     spec = pod()["spec"]
     sidecar = spec["initContainers"][-1]
