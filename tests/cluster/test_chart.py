@@ -10,68 +10,26 @@ the simulated nodes would run its command on this host.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from ctj_devcluster import BinariesMissing, Cluster, find_binaries
+from ctj_devcluster import Cluster
 from ctj_devcluster.processes import wait_until
 
+from tests.unit.chart_helm import CHART, ROOT, Helm, helm, render, the
 from tests.unit.test_chart_files import DASHBOARD, undefined_series
+
+__all__ = ["helm"]  # the fixture, used by name
 
 pytestmark = pytest.mark.cluster
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "ctj"
 CRD_NAME = "checkpointedtrainingjobs.training.ctj.dev"
 
 
-@pytest.fixture(scope="module")
-def helm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """`helm(*args)` → CompletedProcess, with private helm homes; no cluster needed."""
-    try:
-        binary = find_binaries().helm
-    except BinariesMissing as exc:
-        pytest.skip(str(exc))
-    home = tmp_path_factory.mktemp("helm-home")
-    env = {
-        **os.environ,
-        "HELM_CACHE_HOME": str(home / "cache"),
-        "HELM_CONFIG_HOME": str(home / "config"),
-        "HELM_DATA_HOME": str(home / "data"),
-    }
-
-    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(
-            [str(binary), *args], env=env, capture_output=True, text=True, timeout=60
-        )
-        if check and proc.returncode != 0:
-            raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}")
-        return proc
-
-    return run
-
-
-def render(helm: Any, *sets: str, namespace: str = "ctj-system") -> dict[tuple[str, str], Any]:
-    """`helm template` → {(kind, name): object}."""
-    args = ["template", "ctj-operator", str(CHART), "-n", namespace]
-    for s in sets:
-        args += ["--set", s]
-    docs = yaml.safe_load_all(helm(*args).stdout)
-    return {(d["kind"], d["metadata"]["name"]): d for d in docs if d}
-
-
-def the(objects: dict[tuple[str, str], Any], kind: str) -> Any:
-    found = [o for (k, _), o in objects.items() if k == kind]
-    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
-    return found[0]
-
-
-def test_helm_lint_passes(helm: Any) -> None:
+def test_helm_lint_passes(helm: Helm) -> None:
     helm("lint", "--strict", str(CHART))
     helm(
         "lint",
@@ -83,14 +41,17 @@ def test_helm_lint_passes(helm: Any) -> None:
     )
 
 
-def test_defaults_render_the_operator_and_no_service_monitor(helm: Any) -> None:
+def test_defaults_render_the_operator_and_no_service_monitor(helm: Helm) -> None:
     objects = render(helm)
     kinds = sorted(k for k, _ in objects)
     assert kinds == [
-        "ClusterRole",
+        "ClusterRole",  # the operator's
+        "ClusterRole",  # users': aggregated into edit/admin
+        "ClusterRole",  # users': aggregated into view
         "ClusterRoleBinding",
         "ConfigMap",
         "Deployment",
+        "PodDisruptionBudget",
         "Service",
         "ServiceAccount",
     ]
@@ -98,7 +59,7 @@ def test_defaults_render_the_operator_and_no_service_monitor(helm: Any) -> None:
     assert ("ServiceAccount", "ctj-operator") in objects
     deployment = the(objects, "Deployment")
     assert deployment["metadata"]["namespace"] == "ctj-system"
-    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["replicas"] == 2  # a leader and a standby
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "ctj-operator"
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -131,11 +92,13 @@ def test_defaults_render_the_operator_and_no_service_monitor(helm: Any) -> None:
         service["spec"]["selector"].items()
         <= deployment["spec"]["template"]["metadata"]["labels"].items()
     )
+    # the operator never touches S3: no cloud identity on its ServiceAccount
+    assert "annotations" not in the(objects, "ServiceAccount")["metadata"]
     (subject,) = the(objects, "ClusterRoleBinding")["subjects"]
     assert subject == {"kind": "ServiceAccount", "name": "ctj-operator", "namespace": "ctj-system"}
 
 
-def test_values_reach_the_operator(helm: Any) -> None:
+def test_values_reach_the_operator(helm: Helm) -> None:
     objects = render(
         helm,
         "image.tag=dev,sidecarImage.repository=registry.local/trainer,sidecarImage.tag=t1",
@@ -148,7 +111,7 @@ def test_values_reach_the_operator(helm: Any) -> None:
     assert env["CTJ_SIDECAR_IMAGE"] == "registry.local/trainer:t1"
 
 
-def test_service_monitor_only_when_enabled(helm: Any) -> None:
+def test_service_monitor_only_when_enabled(helm: Helm) -> None:
     assert not any(k in ("ServiceMonitor", "PodMonitor") for k, _ in render(helm))
     objects = render(helm, "serviceMonitor.enabled=true")
     monitor = the(objects, "ServiceMonitor")
@@ -160,7 +123,7 @@ def test_service_monitor_only_when_enabled(helm: Any) -> None:
     assert pods["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
 
 
-def test_prometheus_rule_only_when_enabled_and_it_is_the_rules_file(helm: Any) -> None:
+def test_prometheus_rule_only_when_enabled_and_it_is_the_rules_file(helm: Helm) -> None:
     assert not any(k == "PrometheusRule" for k, _ in render(helm))
     objects = render(helm, "prometheusRule.enabled=true,prometheusRule.labels.release=kps")
     rule = the(objects, "PrometheusRule")
@@ -168,23 +131,26 @@ def test_prometheus_rule_only_when_enabled_and_it_is_the_rules_file(helm: Any) -
     assert rule["spec"] == yaml.safe_load((CHART / "rules" / "ctj-alerts.yaml").read_text())
 
 
-def test_schema_rejects_bad_values(helm: Any) -> None:
+def test_schema_rejects_bad_values(helm: Helm) -> None:
     for bad in ("replicaCount=-1", "image.pullPolicy=Sometimes", "imageTag=typo"):
         proc = helm("template", "x", str(CHART), "--set", bad, check=False)
         assert proc.returncode != 0, f"--set {bad} rendered"
         assert "values don't meet the specifications of the schema" in proc.stderr
 
 
-def test_cluster_role_rules_are_deploy_operator_rbac(helm: Any) -> None:
+def test_cluster_role_rules_are_deploy_operator_rbac(helm: Helm) -> None:
     reference = [
         d for d in yaml.safe_load_all((ROOT / "deploy" / "operator-rbac.yaml").read_text()) if d
     ]
     (expected,) = [d for d in reference if d["kind"] == "ClusterRole"]
-    assert the(render(helm), "ClusterRole")["rules"] == expected["rules"]
-    assert not any(k.startswith("ClusterRole") for k, _ in render(helm, "rbac.create=false"))
+    assert render(helm)["ClusterRole", expected["metadata"]["name"]]["rules"] == expected["rules"]
+    without = render(helm, "rbac.create=false")
+    # what stays are the users' roles (rbac.aggregateToDefaultRoles), none bound to the operator
+    assert not any(k == "ClusterRoleBinding" for k, _ in without)
+    assert ("ClusterRole", "ctj-operator") not in without
 
 
-def test_dashboard_config_map(helm: Any) -> None:
+def test_dashboard_config_map(helm: Helm) -> None:
     config_map = the(render(helm), "ConfigMap")
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
     dashboard = json.loads(config_map["data"]["ctj.json"])
@@ -214,8 +180,18 @@ def test_helm_install_into_the_cluster(cluster: Cluster, tmp_path: Path) -> None
     )
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump({"nodeSelector": {"ctj.dev/test-no-such-node": "true"}}))
+    editor, viewer = f"ctj-test-editor-{suffix}", f"ctj-test-viewer-{suffix}"
     try:
-        cluster.helm("install", release, str(CHART), "-n", namespace, "-f", str(values))
+        # users bound to Kubernetes' own roles, as a cluster's admins bind them
+        cluster.kubectl("create", "rolebinding", "editor", "--clusterrole=edit",
+                        f"--user={editor}", "-n", namespace)  # fmt: skip
+        cluster.kubectl("create", "rolebinding", "viewer", "--clusterrole=view",
+                        f"--user={viewer}", "-n", namespace)  # fmt: skip
+        installed = cluster.helm("install", release, str(CHART), "-n", namespace, "-f", str(values))
+        # NOTES, as helm prints them: the objects they name are the ones just made
+        assert "NOTES:" in installed.stdout
+        assert f"port-forward svc/{release}-metrics 8080" in installed.stdout
+        assert f"rollout status deployment/{release}" in installed.stdout
         releases = json.loads(cluster.helm("list", "-n", namespace, "-o", "json").stdout)
         assert [(r["name"], r["status"]) for r in releases] == [(release, "deployed")]
         # helm installs crds/ only when the CRD is absent; either way it must be served
@@ -226,6 +202,10 @@ def test_helm_install_into_the_cluster(cluster: Cluster, tmp_path: Path) -> None
         cluster.kubectl("get", "clusterrolebinding", release)
         cluster.kubectl("get", "service", f"{release}-metrics", "-n", namespace)
         cluster.kubectl("get", "configmap", f"{release}-dashboard", "-n", namespace)
+        pdb = json.loads(
+            cluster.kubectl("get", "pdb", release, "-n", namespace, "-o", "json").stdout
+        )
+        assert pdb["spec"]["maxUnavailable"] == 1
 
         def operator_pod() -> dict[str, Any] | None:
             pods = json.loads(
@@ -240,7 +220,7 @@ def test_helm_install_into_the_cluster(cluster: Cluster, tmp_path: Path) -> None
             return cluster.kubectl("get", "events", "-n", namespace, check=False).stdout
 
         # created by the ReplicaSet: the ServiceAccount exists and the pod is "restricted"
-        pod = wait_until(operator_pod, timeout=30, what="the operator pod", on_timeout=events)
+        pod: Any = wait_until(operator_pod, timeout=30, what="the operator pod", on_timeout=events)
         assert pod["spec"]["serviceAccountName"] == release
         wait_until(
             lambda: any(
@@ -263,8 +243,38 @@ def test_helm_install_into_the_cluster(cluster: Cluster, tmp_path: Path) -> None
             answer = cluster.kubectl("auth", "can-i", verb, resource, "--as", who, check=False)
             assert answer.stdout.strip() == allowed, f"{who} {verb} {resource}"
 
+        # users: Kubernetes' aggregation controller copies our roles into edit and view
+        def can(user: str, verb: str, resource: str, sub: str = "") -> str:
+            args = ["auth", "can-i", verb, resource, "--as", user, "-n", namespace]
+            args += [f"--subresource={sub}"] if sub else []
+            return cluster.kubectl(*args, check=False).stdout.strip()
+
+        ctj = CRD_NAME
+        wait_until(lambda: can(editor, "create", ctj) == "yes", timeout=30,
+                   what="edit aggregates the chart's edit role")  # fmt: skip
+        wait_until(lambda: can(viewer, "list", ctj) == "yes", timeout=30,
+                   what="view aggregates the chart's view role")  # fmt: skip
+        for user, verb, resource, sub, allowed in [
+            (editor, "update", ctj, "", "yes"),
+            (editor, "delete", ctj, "", "yes"),
+            (editor, "update", ctj, "scale", "yes"),  # kubectl scale ctj/NAME
+            (editor, "get", ctj, "", "yes"),  # edit includes view's rules
+            (editor, "patch", ctj, "status", "no"),  # the operator's alone
+            (viewer, "get", ctj, "", "yes"),
+            (viewer, "watch", ctj, "", "yes"),
+            (viewer, "create", ctj, "", "no"),
+            (viewer, "delete", ctj, "", "no"),
+            (viewer, "update", ctj, "scale", "no"),
+        ]:
+            assert can(user, verb, resource, sub) == allowed, f"{user} {verb} {resource} {sub}"
+
         cluster.helm("uninstall", release, "-n", namespace, "--wait", "--timeout=60s")
         assert cluster.kubectl("get", "clusterrole", release, check=False).returncode != 0
+        # it was the chart's roles that gave edit and view these rights
+        wait_until(lambda: can(editor, "create", ctj) == "no", timeout=30,
+                   what="edit without the chart's role")  # fmt: skip
+        wait_until(lambda: can(viewer, "list", ctj) == "no", timeout=30,
+                   what="view without the chart's role")  # fmt: skip
         assert cluster.kubectl(
             "get", "deployment", release, "-n", namespace, check=False
         ).returncode

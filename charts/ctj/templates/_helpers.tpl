@@ -58,3 +58,23 @@ app.kubernetes.io/part-of: ctj
 {{- define "ctj.sidecarImage" -}}
 {{- printf "%s:%s" .Values.sidecarImage.repository (default .Chart.AppVersion .Values.sidecarImage.tag) }}
 {{- end }}
+
+{{/*
+The pod's affinity: .Values.affinity, plus anti-affinity between the operator's own
+replicas by hostname (podAntiAffinity: preferred or required) unless affinity sets its
+own. One node's loss then leaves a standby elsewhere to take the leader Lease.
+*/}}
+{{- define "ctj.affinity" -}}
+{{- $affinity := deepCopy .Values.affinity }}
+{{- if and (ne .Values.podAntiAffinity "none") (not (hasKey $affinity "podAntiAffinity")) }}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" (include "ctj.selectorLabels" . | fromYaml)) }}
+{{- if eq .Values.podAntiAffinity "required" }}
+{{- $_ := set $affinity "podAntiAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (list $term)) }}
+{{- else }}
+{{- $_ := set $affinity "podAntiAffinity" (dict "preferredDuringSchedulingIgnoredDuringExecution" (list (dict "weight" 100 "podAffinityTerm" $term))) }}
+{{- end }}
+{{- end }}
+{{- with $affinity }}
+{{- toYaml . }}
+{{- end }}
+{{- end }}
