@@ -17,10 +17,32 @@ import time
 from pathlib import Path
 
 from .scenario import Lifecycle
-from .stack import Images, NodeControl, S3Credentials, Stack
+from .stack import OPERATOR_NAMESPACE, Images, NodeControl, S3Credentials, Stack
 
 NAMESPACE = "ctj-demo"
 JOB = "demo"
+OPERATOR_RELEASE = "ctj"  # the chart's objects are named ctj, ctj-metrics, ...
+OPERATOR_METRICS_PORT = 8080  # the chart's service.port
+SIDECAR_METRICS_PORT = 9400  # the operator's builders.METRICS_PORT
+
+
+def where_to_look(kubeconfig: Path, kubectl_dir: Path) -> str:
+    """The closing hints. tests/unit/test_demo_hints.py checks that the Service and ports
+    they name exist in the chart as installed here and in the pods the operator builds."""
+    operator_ns, service = OPERATOR_NAMESPACE, f"{OPERATOR_RELEASE}-metrics"
+    pod_proxy = f"/api/v1/namespaces/{NAMESPACE}/pods/<pod>:{SIDECAR_METRICS_PORT}/proxy/metrics"
+    return (
+        "\nwhere to look:\n"
+        f"  export KUBECONFIG={kubeconfig} PATH={kubectl_dir}:$PATH\n"
+        f"  kubectl get ctj -n {NAMESPACE} -w\n"
+        f"  kubectl logs -n {NAMESPACE} -l training.ctj.dev/job-name={JOB} -c trainer\n"
+        f"  kubectl -n {operator_ns} port-forward svc/{service} {OPERATOR_METRICS_PORT}"
+        f"   # then curl localhost:{OPERATOR_METRICS_PORT}/metrics (the operator; the"
+        " leader's has the ctj_job_* series)\n"
+        f"  kubectl get pods -n {NAMESPACE} -l training.ctj.dev/job-name={JOB}\n"
+        f"  kubectl get --raw {pod_proxy}"
+        "   # a sidecar's metrics (it listens on the pod IP only: no port-forward)"
+    )
 
 
 class Timeline:
@@ -35,7 +57,9 @@ def run(stack: Stack, keep: bool) -> None:
     """The scenario the tests run (ctj_stack.scenario), its first three steps, told as a
     timeline."""
     credentials = S3Credentials()
-    stack.install_operator(control_plane=bool(stack.control_plane_nodes()))
+    stack.install_operator(
+        release=OPERATOR_RELEASE, control_plane=bool(stack.control_plane_nodes())
+    )
     stack.install_s3(credentials)
     stack.job_namespace(NAMESPACE, credentials)
     if stack.children(NAMESPACE, JOB):
@@ -74,16 +98,7 @@ def run(stack: Stack, keep: bool) -> None:
     timeline(f"job grew back to world size 3 (attempt {grown['attempt']}) from step "
              f"{back['step']}")  # fmt: skip
 
-    kubeconfig = stack.kubeconfig
-    print(
-        "\nwhere to look:\n"
-        f"  export KUBECONFIG={kubeconfig} PATH={Path(stack.tools.kubectl).parent}:$PATH\n"
-        f"  kubectl get ctj -n {NAMESPACE} -w\n"
-        f"  kubectl logs -n {NAMESPACE} -l training.ctj.dev/job-name={JOB} -c trainer\n"
-        "  kubectl -n ctj-system port-forward svc/ctj 8080   # operator metrics: :8080/metrics\n"
-        f"  kubectl -n {NAMESPACE} port-forward pod/<pod> 9400   # a sidecar's metrics",
-        flush=True,
-    )
+    print(where_to_look(stack.kubeconfig, Path(stack.tools.kubectl).parent), flush=True)
     if not keep:
         stack.delete_job(NAMESPACE, JOB)
         print("(the demo job was deleted; --keep leaves it training)", flush=True)
