@@ -91,6 +91,7 @@ class Lifecycle:
     spec: dict[str, Any] = field(default_factory=dict)
     attempt: int = 0  # the attempt running after the last step
     lost_node: str = ""
+    committed_at_delete: int = 0
 
     def _last_committed(self) -> int:
         return int((self.cluster.status(self.namespace, self.name).get("lastCheckpoint")
@@ -208,6 +209,30 @@ class Lifecycle:
         ownerReferences) and nothing brings one back."""
         c, ns = self.cluster, self.namespace
         assert c.children(ns, self.name), "the job has no children to remove"
+        self.committed_at_delete = self._last_committed()
         c.delete_job(ns, self.name)
         c.wait(lambda: not c.children(ns, self.name), "every child of the job to go", 180,
                lambda: "\n".join(c.children(ns, self.name)))  # fmt: skip
+
+    def resumed_by_a_new_job(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """After the delete: a new job, ``resumeFrom`` the deleted one's name, at world
+        size 2 restores the deleted job's last commit resharded and trains on from it (its
+        own location was empty; the deleted job's uid is known only to the store). Deleted
+        in turn. Its restored event and first step."""
+        c, ns, name = self.cluster, self.namespace, f"{self.name}-again"
+        assert self.committed_at_delete > 0, "run deleted() first"
+        job = c.example_job(name, self.backend, **self.training)
+        job["spec"].update(self.spec, replicas=2)
+        job["spec"]["checkpoint"]["resumeFrom"] = self.name
+        c.apply_job(ns, job)
+        st = c.wait_running(ns, name, 2, after=0)
+        restored, first = c.restored(ns, name, int(st["attempt"]))
+        assert restored["world_size"] == 2, restored
+        assert restored["step"] >= self.committed_at_delete, (
+            f"the deleted job had committed step {self.committed_at_delete}; the new job "
+            f"restored {restored['step']}"
+        )
+        assert first["step"] == restored["step"] + 1, "training goes on from the checkpoint"
+        c.delete_job(ns, name)
+        c.wait(lambda: not c.children(ns, name), "every child of the new job to go", 180)
+        return restored, first

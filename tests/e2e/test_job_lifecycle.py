@@ -1,7 +1,8 @@
 """One job through what ctj is bought for, on a real cluster: the chart installed with
 our operator image, the example job on our trainer image checkpointing to the S3 server
-in the cluster, a node lost (its container killed) and back, a `kubectl scale`, a delete;
-then the same scenario with backend pytorchjob, under Kubeflow's controller.
+in the cluster, a node lost (its container killed) and back, a `kubectl scale`, a delete,
+and a new job that resumes from the deleted one's checkpoints (`resumeFrom`); then the
+scenario with backend pytorchjob, under Kubeflow's controller.
 
 Each step waits on a condition the user would watch (`kubectl get ctj`, the trainer's
 log); the node-loss step records the time from the kill to the first training step after
@@ -30,7 +31,8 @@ def test_the_chart_runs_the_operator_with_its_own_rbac(
     stack: Stack, operator_installed: str
 ) -> None:
     deployment = stack.apps.read_namespaced_deployment("ctj", operator_installed)
-    assert deployment.status.ready_replicas == 1
+    # the chart's default: two replicas, one leader (a standby is Ready too)
+    assert deployment.spec.replicas == 2 and deployment.status.ready_replicas == 2
     account = deployment.spec.template.spec.service_account_name
     who = f"system:serviceaccount:{operator_installed}:{account}"
     can = {
@@ -89,6 +91,9 @@ class TestJobLifecycle:
     def test_deleting_the_job_removes_every_child(self, scenario: Lifecycle) -> None:
         scenario.deleted()
 
+    def test_a_new_job_resumes_from_the_deleted_one(self, scenario: Lifecycle) -> None:
+        scenario.resumed_by_a_new_job()
+
 
 class TestPytorchJobLifecycle(TestJobLifecycle):
     """Backend pytorchjob: each attempt is a PyTorchJob, whose pods, Services and
@@ -102,6 +107,9 @@ class TestPytorchJobLifecycle(TestJobLifecycle):
     # node's return (ScaleUp) has just taken with this backend (a planned stop, a new
     # PyTorchJob at another world size); the pods backend runs it above.
     test_kubectl_scale_resizes_the_job = None  # type: ignore[assignment]
+    # resumeFrom is resolved and read by the trainer's load, the same under either
+    # backend: run once, above
+    test_a_new_job_resumes_from_the_deleted_one = None  # type: ignore[assignment]
 
     @pytest.fixture(autouse=True)
     def _kubeflow(self, kubeflow: str) -> None:
