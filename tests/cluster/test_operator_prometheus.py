@@ -1,5 +1,6 @@
 """A real Prometheus follows a job through a node loss: every panel of the chart's
-dashboard has data, and no series carries a credential or an unexpected label. (The
+dashboard has data for the job, the job's series keep their namespace and job_name
+through the restart, and no series carries a credential or an unexpected label. (The
 node loss itself, its return and the rest of a job's life: test_operator_lifecycle.py.)"""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ctj_contract import LABEL_JOB
 from ctj_devcluster import Cluster
 from ctj_devcluster.prometheus import Prometheus, PrometheusConfig, Target
 from ctj_stack.jobs import (
@@ -40,6 +42,8 @@ ALLOWED_LABELS = {
     "reason",
     "cause",
     "phase",
+    "version",
+    "component",
 }
 
 pytestmark = pytest.mark.cluster
@@ -54,9 +58,12 @@ def test_prometheus_follows_the_job_through_a_node_loss_and_every_panel_has_data
     tmp_path: Path,
 ) -> None:
     """A real Prometheus scrapes the operator and every rank's sidecar (found as the
-    chart's PodMonitor would: the job's pods, port 9400, namespace/pod labels) while a
-    job checkpoints, loses a node and is restored; then every query of the dashboard the
-    chart ships returns data, and no series carries a credential or an unexpected label."""
+    chart's PodMonitor would: the job's pods, port 9400, namespace/pod labels and job_name
+    from the pod's job-name label) while a job checkpoints, loses a node and is restored;
+    the job's series keep their labels through the restart (the operator's one series per
+    job advances, the sidecars' of both attempts name the job); every query of the
+    dashboard the chart ships returns data for the job; and no series carries a credential
+    or an unexpected label."""
     ns, name = job_namespace, "watched"
     config = PrometheusConfig(tmp_path / "prometheus", rule_files=[RULES])
     with Prometheus(config) as prom:
@@ -64,9 +71,15 @@ def test_prometheus_follows_the_job_through_a_node_loss_and_every_panel_has_data
 
         def follow_pods() -> None:
             pods = [p for p in job_pods(op_cluster, ns, name) if p.status.pod_ip]
-            labels = {"namespace": ns, "pod": ""}
             targets = [
-                Target(f"{p.status.pod_ip}:9400", {**labels, "pod": p.metadata.name})
+                Target(
+                    f"{p.status.pod_ip}:9400",
+                    {
+                        "namespace": p.metadata.namespace,
+                        "job_name": p.metadata.labels[LABEL_JOB],
+                        "pod": p.metadata.name,
+                    },
+                )
                 for p in pods
                 if p.status.phase == "Running"
             ]
@@ -84,6 +97,15 @@ def test_prometheus_follows_the_job_through_a_node_loss_and_every_panel_has_data
             "Prometheus to scrape rank 0's commit",
             60,
         )
+        # the operator's series of the job (status.lastCheckpoint), which outlive its pods
+        of_job = f'{{namespace="{ns}", job_name="{name}"}}'
+        operator_step = f"ctj_job_last_checkpoint_step{of_job}"
+        wait_for(
+            following(lambda: prom.query(f"{operator_step} > 0")),
+            "the operator to export the job's last checkpoint",
+            60,
+        )
+        (before,) = prom.query(operator_step)
         victim = next(p for p in job_pods(op_cluster, ns, name) if p.metadata.name.endswith("-1"))
         op_cluster.kill_node(victim.spec.node_name)
         try:
@@ -104,8 +126,28 @@ def test_prometheus_follows_the_job_through_a_node_loss_and_every_panel_has_data
                 return {"operator", f"{name}-a2-0", f"{name}-a2-1"} <= up
 
             wait_for(current_targets_up, "the operator and attempt 2's sidecars up", 60)
+
+            # one series of the job, the same labels, through the restart; its step advanced
+            def advanced() -> bool:
+                follow_pods()
+                now = prom.query(operator_step)
+                return len(now) == 1 and float(now[0]["value"][1]) > float(before["value"][1])
+
+            wait_for(advanced, "the operator's series of the job to advance in attempt 2", 60)
+            (after,) = prom.query(operator_step)
+            assert after["metric"] == before["metric"], (before, after)
+            # the sidecars' series of both attempts, other pods, all name the job
+            sidecar_steps = prom.series(f"ctj_checkpoint_last_committed_step{of_job}")
+            pods = {s["pod"] for s in sidecar_steps}
+            assert {f"{name}-a1-0", f"{name}-a2-0"} <= pods, pods
+            assert {(s["namespace"], s["job_name"]) for s in sidecar_steps} == {(ns, name)}
             exprs = dashboard_exprs(json.loads(DASHBOARD.read_text()))
-            queries = {e: e.replace("$__rate_interval", "5m") for e in exprs}
+            queries = {
+                e: e.replace("$__rate_interval", "5m")
+                .replace("$namespace", ns)
+                .replace("$job", name)
+                for e in exprs
+            }
 
             def empty() -> list[str]:
                 follow_pods()
