@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import logging
 import os
@@ -281,8 +282,19 @@ def verdict(step: int, size: int | None, problems: Sequence[Problem]) -> Verdict
     return Verdict(step, status, size, tuple(problems))
 
 
+def _needs_torch(command: str) -> None:
+    """verify and export read DCP metadata with torch, which the base package (and the
+    sidecar image) leaves out: one line that names the fix, not an ImportError."""
+    if importlib.util.find_spec("torch") is None:
+        raise CheckpointError(
+            f"ctj checkpoints {command} needs torch: pip install ctj[trainer] "
+            "(or run it in the trainer image)"
+        )
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     # torch (for the allow-list and weights_only checks): only for the commands that need it
+    _needs_torch("verify")
     from .load.checks import read_manifest
     from .load.verify import verify
 
@@ -353,6 +365,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     # torch: only for this command
+    _needs_torch("export")
     from .load.export import check_new_file, empty_directory, export_dcp, export_torch_save
 
     trust = _trust_pickled_values(args)
