@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=8080)
     parser.add_argument(
         "--sidecar-image",
-        default=os.environ.get("CTJ_SIDECAR_IMAGE"),
-        help="checkpoint sidecar image for jobs that name none (default: CTJ_SIDECAR_IMAGE)",
+        default=os.environ.get("CTJ_SIDECAR_IMAGE") or DEFAULT_SIDECAR_IMAGE,
+        help="checkpoint sidecar image for jobs that name none (default: CTJ_SIDECAR_IMAGE, "
+        f"else {DEFAULT_SIDECAR_IMAGE}: the Dockerfile's sidecar target)",
     )
     parser.add_argument(
         "--node-cache-path",

@@ -33,10 +33,24 @@ SIDECAR_STARTUP_WAIT_S = 25  # one startup probe's wait for /readyz (it exits wh
 STAGING_PATH = "/ctj/staging"
 CACHE_PATH = "/ctj/cache"
 CACHE_PORT = 9402  # each sidecar serves its node's chunk cache to the job's peers here
-DEFAULT_SIDECAR_IMAGE = "ctj-trainer:latest"
+# The Dockerfile's `sidecar` target (no torch), as the chart names it; the chart and
+# --sidecar-image / CTJ_SIDECAR_IMAGE set the operator's, a job's sidecarImage its own.
+DEFAULT_SIDECAR_IMAGE = "ghcr.io/ctj/sidecar:0.1.0"
 SIDECAR_NAME = "ctj-sidecar"
+# Requests equal to limits, cpu and memory both: a pod whose own containers are Guaranteed
+# stays Guaranteed with ours added (the kubelet computes QoS over every container, init
+# containers included), so it keeps its exclusive CPUs and topology alignment. One core: a
+# sidecar's start (imports, ~1 s of CPU) delays the trainer's. A job's
+# spec.checkpoint.sidecarResources replaces the sidecar's as a whole.
+DEFAULT_SIDECAR_RESOURCES = {
+    "requests": {"cpu": "1", "memory": "1Gi"},
+    "limits": {"cpu": "1", "memory": "1Gi"},
+}
 CACHE_STEP_NAME = "ctj-cache-permissions"
-CACHE_STEP_RESOURCES = {"requests": {"cpu": "10m", "memory": "16Mi"}}
+CACHE_STEP_RESOURCES = {
+    "requests": {"cpu": "50m", "memory": "32Mi"},
+    "limits": {"cpu": "50m", "memory": "32Mi"},
+}
 # what the Kubeflow controller labels its pods with (rank = 0 for the master, index + 1 else)
 KF_REPLICA_TYPE = "training.kubeflow.org/replica-type"
 KF_REPLICA_INDEX = "training.kubeflow.org/replica-index"
@@ -277,8 +291,9 @@ def _sidecar(spec: JobSpec, uri: str) -> dict[str, Any]:
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": METRICS_PORT}},
         "securityContext": {"allowPrivilegeEscalation": False},
     }
-    if spec.checkpoint.sidecar_resources:
-        sidecar["resources"] = spec.checkpoint.sidecar_resources
+    sidecar["resources"] = copy.deepcopy(
+        spec.checkpoint.sidecar_resources or DEFAULT_SIDECAR_RESOURCES
+    )
     return sidecar
 
 
