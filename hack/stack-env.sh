@@ -4,7 +4,9 @@
 #
 #   CTJ_E2E_KUBECONFIG=...    the kind cluster hack/kind/cluster.sh builds (1 + 3 nodes;
 #                             named by CTJ_KIND_CLUSTER, default ctj)
-#   CTJ_OPERATOR_IMAGE=... CTJ_TRAINER_IMAGE=... CTJ_SEAWEEDFS_IMAGE=...  (on its nodes)
+#   CTJ_OPERATOR_IMAGE=... CTJ_SIDECAR_IMAGE=... CTJ_TRAINER_IMAGE=... CTJ_SEAWEEDFS_IMAGE=...
+#                             (hack/containers/images.sh's, all loaded on its nodes; the
+#                             chart's sidecarImage is CTJ_SIDECAR_IMAGE: ctj_stack.Stack)
 #   CTJ_E2E_NODE_STOP=docker kill {node}   CTJ_E2E_NODE_START=docker start {node}
 #
 #   hack/stack-env.sh --prepare   builds all of it (Docker, our images, kind's binaries and

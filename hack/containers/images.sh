@@ -2,18 +2,22 @@
 # Builds (once) ctj's images here, with no registry, and prints their names:
 #
 #   CTJ_OPERATOR_IMAGE=ctj/operator:<key>    the Dockerfile's operator target
-#   CTJ_TRAINER_IMAGE=ctj/trainer:<key>      its trainer target (trainer and sidecar)
+#   CTJ_SIDECAR_IMAGE=ctj/sidecar:<key>      its sidecar target (the checkpoint sidecar the
+#                                            operator adds to every pod: no torch)
+#   CTJ_TRAINER_IMAGE=ctj/trainer:<key>      its trainer target (the training containers)
 #   CTJ_SEAWEEDFS_IMAGE=ctj/seaweedfs:<key>  deploy/seaweedfs/Dockerfile, our S3 server
 #   CTJ_KUBEFLOW_IMAGE=ctj/training-operator:<key>  deploy/kubeflow/Dockerfile, Kubeflow's
 #                                            PyTorchJob controller (the pytorchjob backend)
 #
-#   hack/containers/images.sh [operator|trainer|seaweedfs|kubeflow ...]   (default: all)
+#   hack/containers/images.sh [operator|sidecar|trainer|seaweedfs|kubeflow ...]  (default: all)
 #   hack/containers/images.sh --prune IMAGE...   remove every other build of these images
 #                                                (older tags of ctj/operator, ctj/trainer, ...)
 #
 # <key> hashes every input of an image (the Dockerfile, the files it copies, the base
 # image's ID), so an unchanged tree is a no-op and a changed one gets a new tag: pods
-# never run a stale image under an old name. The Python base is ctj/python:3.11-bookworm,
+# never run a stale image under an old name. Each of the Dockerfile's targets is keyed by
+# what it copies (a change to examples/ retags the trainer only). Every image's size is
+# printed on stderr (docs/deploy.md records them). The Python base is ctj/python:3.11-bookworm,
 # Debian's python3 on the debootstrap base (base-image.sh). Users with a registry build
 # the same Dockerfile FROM python:3.11-slim (docs/deploy.md).
 #
@@ -56,8 +60,12 @@ build() {
     tail -n 30 "$blog" >&2
     log "building $image failed"; return 1
   fi
-  log "built $image in $(( $(date +%s) - start ))s ($("$DOCKER" image inspect -f '{{.Size}}' "$image" \
-       | awk '{printf "%.0f MB", $1/1e6}'))"
+  log "built $image in $(( $(date +%s) - start ))s ($(size "$image"))"
+}
+
+# size IMAGE: as `docker image ls` shows it (MB = 10^6 bytes)
+size() {
+  "$DOCKER" image inspect -f '{{.Size}}' "$1" | awk '{printf "%.0f MB", $1/1e6}'
 }
 
 if [ "${1:-}" = "--prune" ]; then
@@ -66,7 +74,7 @@ if [ "${1:-}" = "--prune" ]; then
   shift
   keep=" $* "
   for img in $("$DOCKER" images --format '{{.Repository}}:{{.Tag}}' \
-               | grep -E '^ctj/(operator|trainer|seaweedfs|training-operator):' || true); do
+               | grep -E '^ctj/(operator|sidecar|trainer|seaweedfs|training-operator):' || true); do
     if [[ "$keep" != *" $img "* ]] && "$DOCKER" rmi "$img" >/dev/null 2>&1; then
       log "removed $img (an older build)"
     fi
@@ -93,19 +101,29 @@ binary_image() {
 }
 built_dir() { "$root/hack/cluster-binaries.sh" | sed -n "s/^$1=//p"; }
 
-wanted=("$@"); (( ${#wanted[@]} )) || wanted=(operator trainer seaweedfs kubeflow)
-ctj_key="$(key "$root/Dockerfile" "$root/.dockerignore" "$root/requirements/dev.txt" \
-  "$root/trainer_sidecar" "$root/operator/ctj_operator" "$root/contract/ctj_contract" \
-  "$root/examples" "$python")"
+wanted=("$@"); (( ${#wanted[@]} )) || wanted=(operator sidecar trainer seaweedfs kubeflow)
+# ctj_inputs TARGET: what the Dockerfile's target is built from (its COPY sources), a line each
+ctj_inputs() {
+  printf '%s\n' "$root/Dockerfile" "$root/.dockerignore" "$root/requirements/dev.txt" \
+    "$root/contract/ctj_contract" "$python"
+  case "$1" in
+    operator) printf '%s\n' "$root/operator/ctj_operator" ;;
+    sidecar) printf '%s\n' "$root/trainer_sidecar" ;;
+    trainer) printf '%s\n' "$root/trainer_sidecar" "$root/examples" ;;
+  esac
+}
 for what in "${wanted[@]}"; do
   case "$what" in
-    operator|trainer)
-      image="ctj/$what:$ctj_key"
+    operator|sidecar|trainer)
+      mapfile -t inputs < <(ctj_inputs "$what")
+      image="ctj/$what:$(key "${inputs[@]}")"
       build "$image" "$root/Dockerfile" "$root" --target "$what" --build-arg "PYTHON_IMAGE=$python"
+      log "$image: $(size "$image")"
       echo "CTJ_${what^^}_IMAGE=$image" ;;
     seaweedfs)
       image="$(binary_image seaweedfs "$root/deploy/seaweedfs/Dockerfile" \
         "$(built_dir CTJ_SEAWEEDFS_BIN_DIR)/weed")"
+      log "$image: $(size "$image")"
       echo "CTJ_SEAWEEDFS_IMAGE=$image" ;;
     kubeflow)
       # pulled before anything is built: the binary is needed only for a build
@@ -115,7 +133,8 @@ for what in "${wanted[@]}"; do
         image="$(NOT_PULLED="$PULL_WHY" binary_image training-operator \
           "$root/deploy/kubeflow/Dockerfile" "$(built_dir CTJ_KUBEFLOW_BIN_DIR)/training-operator.v1")"
       fi
+      log "$image: $(size "$image")"
       echo "CTJ_KUBEFLOW_IMAGE=$image" ;;
-    *) log "unknown image '$what' (operator, trainer, seaweedfs, kubeflow)"; exit 2 ;;
+    *) log "unknown image '$what' (operator, sidecar, trainer, seaweedfs, kubeflow)"; exit 2 ;;
   esac
 done

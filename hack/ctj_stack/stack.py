@@ -56,6 +56,7 @@ class Images:
     trainer: str
     seaweedfs: str
     kubeflow: str = ""  # Kubeflow's controller (deploy/kubeflow); "": the cluster's own, if any
+    sidecar: str = ""  # the checkpoint sidecar (no torch); "": the trainer image serves
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Images:
@@ -66,6 +67,7 @@ class Images:
             trainer=_required(env, "CTJ_TRAINER_IMAGE", hint),
             seaweedfs=_required(env, "CTJ_SEAWEEDFS_IMAGE", hint),
             kubeflow=env.get("CTJ_KUBEFLOW_IMAGE", ""),
+            sidecar=env.get("CTJ_SIDECAR_IMAGE", ""),
         )
 
 
@@ -195,7 +197,7 @@ class Stack(Harness):
         ``control_plane``: run the operator on the control-plane node (a test cluster's
         way to lose a worker without losing the operator too)."""
         repo, tag = _repo_tag(self.images.operator)
-        sidecar_repo, sidecar_tag = _repo_tag(self.images.trainer)
+        sidecar_repo, sidecar_tag = _repo_tag(self.images.sidecar or self.images.trainer)
         placement: list[str] = []
         if control_plane:
             placement = [

@@ -83,7 +83,7 @@ def test_defaults_render_the_operator_and_no_service_monitor(helm: Helm) -> None
     assert security["seccompProfile"] == {"type": "RuntimeDefault"}
     assert container["resources"]["requests"] and container["resources"]["limits"]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["CTJ_SIDECAR_IMAGE"] == "ghcr.io/ctj/trainer:0.1.0"
+    assert env["CTJ_SIDECAR_IMAGE"] == "ghcr.io/ctj/sidecar:0.1.0"
     service = the(objects, "Service")
     assert service["spec"]["ports"] == [
         {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}

@@ -29,6 +29,32 @@ def test_images_come_from_the_environment_and_a_missing_one_is_named() -> None:
     assert st.Images.from_env(kf).kubeflow == "ctj/training-operator:k"
 
 
+def _chart_sets(env: dict[str, str]) -> list[str]:
+    """The --set values install_operator gives helm."""
+    stack = st.Stack.__new__(st.Stack)
+    stack.images = st.Images.from_env(env)
+    calls: list[tuple[str, ...]] = []
+
+    def helm(*args: str) -> str:
+        calls.append(args)
+        return ""
+
+    stack.log = lambda message: None
+    stack.helm = helm  # type: ignore[method-assign]
+    stack.install_operator()
+    (args,) = calls
+    return [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+
+
+def test_the_chart_gets_the_sidecar_image_or_else_the_trainer_s() -> None:
+    """hack/containers/images.sh prints CTJ_SIDECAR_IMAGE (the torch-free target): the
+    operator's default sidecar; a cluster given only the trainer image runs that."""
+    sets = _chart_sets({**IMAGES, "CTJ_SIDECAR_IMAGE": "ctj/sidecar:s1"})
+    assert "sidecarImage.repository=ctj/sidecar" in sets and "sidecarImage.tag=s1" in sets
+    sets = _chart_sets(IMAGES)
+    assert "sidecarImage.repository=ctj/trainer" in sets and "sidecarImage.tag=abc" in sets
+
+
 @pytest.mark.parametrize(
     ("image", "split"),
     [("ctj/trainer:abc", ("ctj/trainer", "abc")),
