@@ -57,6 +57,7 @@ class PodView:
     node_name: str | None
     terminating: bool = False
     reason: str | None = None  # e.g. Evicted
+    exit: str = ""  # how its trainer ended, e.g. "trainer exited 1: <its last line>"
     waiting: str = ""  # why it is not running yet (the scheduler's message)
     phase_age: float | None = None  # seconds since the operator saw its phase change
 
@@ -297,7 +298,8 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
                     f"sent no heartbeat since pod {p.name} failed"
                 )
                 return Ending("HeartbeatLost", msg, Cause.NODE, (quiet.node_name or "",))
-            why = f" ({p.reason})" if p.reason else ""
+            why = "; ".join(w for w in (p.reason, p.exit) if w)
+            why = f" ({why})" if why else ""
             return Ending("PodFailed", f"pod {p.name} failed{why}", Cause.CRASH)
     if obs.controller_failure:
         return Ending("PyTorchJobFailed", obs.controller_failure, Cause.CRASH)

@@ -44,6 +44,32 @@ def node_rank(labels: Mapping[str, str]) -> int:
     return 0
 
 
+EXIT_MESSAGE_CHARS = 300
+"""How much of a container's termination message a condition quotes (its last line)."""
+
+
+def container_exit(status: Mapping[str, Any]) -> str:
+    """Why a container of the pod (the trainer, not our init containers) ended in failure:
+    ``trainer exited 1: <the last line of its termination message>``, or "". The message
+    is the container's own, or its last log lines (terminationMessagePolicy
+    FallbackToLogsOnError, which builders set on the trainer)."""
+    for cs in status.get("containerStatuses") or []:
+        ended = (cs.get("state") or {}).get("terminated") or {}
+        code = ended.get("exitCode")
+        if not ended or code == 0:
+            continue
+        lines = [line.strip() for line in str(ended.get("message") or "").splitlines()]
+        last = next((line for line in reversed(lines) if line), "")
+        if len(last) > EXIT_MESSAGE_CHARS:
+            last = last[: EXIT_MESSAGE_CHARS - 3] + "..."
+        what = f"exited {code}" if code is not None else "ended"
+        reason = ended.get("reason")
+        if reason and reason != "Error":  # e.g. OOMKilled
+            what += f" ({reason})"
+        return f"{cs.get('name')} {what}" + (f": {last}" if last else "")
+    return ""
+
+
 def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
     """One pod of a ctj job, as the job's index keeps it."""
     meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
@@ -59,6 +85,7 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
                 f" ({w['message']})" if w.get("message") else ""
             )
     return {
+        "exit": container_exit(status),
         "name": meta["name"],
         "attempt": int(labels.get(LABEL_ATTEMPT, "0")),
         "rank": node_rank(labels),
@@ -79,6 +106,7 @@ def pod_view(s: Mapping[str, Any], phase_age: float | None = None) -> PodView:
         node_name=s["node"],
         terminating=s["terminating"],
         reason=s["reason"],
+        exit=s.get("exit", ""),  # absent from a summary an older operator indexed
         waiting=s["waiting"],
         phase_age=phase_age,
     )

@@ -534,3 +534,15 @@ def test_the_kubeflow_controllers_failure_is_read_after_the_pods() -> None:
     on_lost_node = [pod(0), pod(1, node="bad0"), pod(2)]
     lost = observe(RUNNING3, on_lost_node, nodes(3, not_ready=1), controller_failure=failed)
     assert what(decide(lost)) == "restart NodeNotReady node"
+
+
+def test_a_failed_pod_quotes_how_its_trainer_ended() -> None:
+    failed = pod(
+        2, "Failed", exit="trainer exited 1: ResumeSourceError: spec.checkpoint.resumeFrom"
+    )
+    plan = decide(observe(RUNNING3, pods(2) + [failed], nodes(3), 6.0))
+    assert what(plan) == "restart PodFailed crash"
+    message = condition(plan.status(), "Restarted")["message"]
+    assert message == (
+        "pod a1-2 failed (trainer exited 1: ResumeSourceError: spec.checkpoint.resumeFrom)"
+    ), message

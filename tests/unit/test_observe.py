@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import time
 
-from ctj_operator.observe import Freshness, node_rank
+from ctj_operator.observe import (
+    EXIT_MESSAGE_CHARS,
+    Freshness,
+    container_exit,
+    node_rank,
+    pod_summary,
+    pod_view,
+)
 
 
 def test_freshness_counts_from_the_last_change_and_forgets_what_is_deleted() -> None:
@@ -32,3 +39,46 @@ def test_a_rank_is_read_from_our_label_or_from_the_kubeflow_controllers() -> Non
     assert node_rank({f"{kf}type": "master", f"{kf}index": "0"}) == 0
     assert node_rank({f"{kf}type": "worker", f"{kf}index": "0"}) == 1
     assert node_rank({f"{kf}type": "worker", f"{kf}index": "4"}) == 5
+
+
+def _failed_pod(message: str, code: int = 1, reason: str = "Error") -> dict[str, object]:
+    terminated = {"exitCode": code, "reason": reason, "message": message}
+    return {
+        "metadata": {"name": "demo-a1-0", "labels": {"training.ctj.dev/node-rank": "0"}},
+        "spec": {"nodeName": "n0"},
+        "status": {
+            "phase": "Failed",
+            "initContainerStatuses": [  # our sidecar, stopped with the pod: not the cause
+                {"name": "ctj-sidecar", "state": {"terminated": {"exitCode": 143}}}
+            ],
+            "containerStatuses": [{"name": "trainer", "state": {"terminated": terminated}}],
+        },
+    }
+
+
+def test_a_failed_trainer_says_why_in_its_last_line() -> None:
+    log = (
+        "step 1\nTraceback (most recent call last):\n  ...\n"
+        "ResumeSourceError: spec.checkpoint.resumeFrom 'train' names no checkpoint\n\n"
+    )
+    summary = pod_summary(_failed_pod(log))
+    assert summary["exit"] == (
+        "trainer exited 1: ResumeSourceError: spec.checkpoint.resumeFrom 'train' names no "
+        "checkpoint"
+    )
+    assert pod_view(summary).exit == summary["exit"]
+    assert container_exit(_failed_pod("", 137, "OOMKilled")["status"]) == (  # type: ignore[arg-type]
+        "trainer exited 137 (OOMKilled)"
+    )
+    long = container_exit(_failed_pod("x" * 1000)["status"])  # type: ignore[arg-type]
+    assert len(long) < EXIT_MESSAGE_CHARS + 30 and long.endswith("...")
+
+
+def test_a_trainer_that_exited_0_or_runs_has_no_exit_reason() -> None:
+    done = _failed_pod("all good", code=0)
+    assert pod_summary(done)["exit"] == ""
+    running = {"containerStatuses": [{"name": "trainer", "state": {"running": {}}}]}
+    assert container_exit(running) == ""
+    # a summary indexed by an operator before this field: no exit reason, no KeyError
+    old = {k: v for k, v in pod_summary(done).items() if k != "exit"}
+    assert pod_view(old).exit == ""

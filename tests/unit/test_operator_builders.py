@@ -399,3 +399,13 @@ def test_a_rank_s_footprint_is_what_its_pod_will_request_and_where_it_may_run(
     assert pod_requests(footprint)["cpu"] >= 250, "the sidecar's requests count"
     for field in ("nodeSelector", "tolerations", "overhead", "resources"):
         assert footprint.get(field) == template_spec.get(field)
+
+
+def test_a_trainer_that_fails_leaves_its_last_log_lines_as_its_termination_message() -> None:
+    trainer = pod()["spec"]["containers"][0]
+    assert trainer["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    template = job_spec().template
+    template["spec"]["containers"][0]["terminationMessagePolicy"] = "File"  # the user's
+    spec = job_spec(template=template)
+    mine = builders.build_pod(BODY, spec, uri=URI, attempt=1, world_size=3, node_rank=0)
+    assert mine["spec"]["containers"][0]["terminationMessagePolicy"] == "File"
