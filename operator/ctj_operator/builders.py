@@ -310,6 +310,9 @@ def _trainer_pod_spec(spec: JobSpec, uri: str, extra_env: list[dict[str, Any]]) 
     trainer.setdefault("volumeMounts", []).append(
         {"name": "ctj-staging", "mountPath": STAGING_PATH}
     )
+    # a trainer that dies says why in its pod's status (its last log lines, where it wrote
+    # no termination message), and the operator quotes that in the job's conditions
+    trainer.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
     pod_spec["initContainers"] = list(pod_spec.get("initContainers") or []) + [_sidecar(spec, uri)]
     pod_spec.setdefault("volumes", []).append(
         {
