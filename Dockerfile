@@ -65,7 +65,7 @@ RUN --mount=type=cache,target=/root/.cache/pip,id=ctj-pip set -eu; \
       || { echo "no pin for torch in requirements/dev.txt" >&2; exit 1; }; \
     for p in $TRAINER_PACKAGES; do grep -E "^${p}(\[[^]]*\])?==" /tmp/dev.txt \
       || { echo "no pin for $p in requirements/dev.txt" >&2; exit 1; }; done > /tmp/pins.txt; \
-    /opt/venv/bin/python -m ensurepip -q; \
+    /opt/venv/bin/python -m ensurepip --default-pip >/dev/null; \
     /opt/venv/bin/pip install --index-url "$TORCH_INDEX_URL" -r /tmp/torch.txt; \
     /opt/venv/bin/pip install -r /tmp/pins.txt
 
