@@ -35,6 +35,25 @@ POD_EXEC = Path(__file__).with_name("pod_exec.py")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+TERMINATION_LOG_LINES, TERMINATION_LOG_BYTES = 80, 2048
+"""What the kubelet keeps of a failed container's log as its termination message under
+terminationMessagePolicy FallbackToLogsOnError (no message file is read here): the last 80
+lines, at most the last 2048 bytes."""
+
+
+def log_tail(path: Path) -> str:
+    """The end of a container's log, as FallbackToLogsOnError keeps it ("" if none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - TERMINATION_LOG_BYTES))
+            tail = f.read()
+    except OSError:
+        return ""
+    lines = tail.decode("utf-8", "replace").splitlines()[-TERMINATION_LOG_LINES:]
+    return "\n".join(lines)
+
+
 class PodHost(Protocol):
     """What a PodWorker needs of the node agent that runs it (node_agent.NodeAgent)."""
 
@@ -297,6 +316,10 @@ class PodWorker:
             "finishedAt": now_rfc3339(),
             "containerID": f"ctj://{self.agent.config.name}/{c.proc.pid}",
         }
+        if exit_code != 0 and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            message = log_tail(self.dir / f"{c.name}.log")
+            if message:
+                c.terminated["message"] = message
         log.info("pod %s: container %s exited %d", self.key, c.name, exit_code)
         policy = (
             "Always"

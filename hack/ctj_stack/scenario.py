@@ -217,11 +217,14 @@ class Lifecycle:
     def resumed_by_a_new_job(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """After the delete: a new job, ``resumeFrom`` the deleted one's name, at world
         size 2 restores the deleted job's last commit resharded and trains on from it (its
-        own location was empty; the deleted job's uid is known only to the store). Deleted
-        in turn. Its restored event and first step."""
+        own location was empty; the deleted job's uid is known only to the store), to its
+        last step: `kubectl wait --for=condition=Succeeded` returns. Deleted in turn. Its
+        restored event and first step."""
         c, ns, name = self.cluster, self.namespace, f"{self.name}-again"
         assert self.committed_at_delete > 0, "run deleted() first"
-        job = c.example_job(name, self.backend, **self.training)
+        # past any step the deleted job could still commit while its pods were stopping
+        steps = {"CTJ_TOTAL_STEPS": str(self.committed_at_delete + 300), "CTJ_STEP_DELAY_S": "0.05"}
+        job = c.example_job(name, self.backend, **{**self.training, **steps})
         job["spec"].update(self.spec, replicas=2)
         job["spec"]["checkpoint"]["resumeFrom"] = self.name
         c.apply_job(ns, job)
@@ -233,6 +236,44 @@ class Lifecycle:
             f"restored {restored['step']}"
         )
         assert first["step"] == restored["step"] + 1, "training goes on from the checkpoint"
-        c.delete_job(ns, name)
-        c.wait(lambda: not c.children(ns, name), "every child of the new job to go", 180)
+        c.kubectl("wait", f"ctj/{name}", "-n", ns, "--for=condition=Succeeded", "--timeout=180s")
+        self._delete(name)
         return restored, first
+
+    def fails_naming_a_missing_source(self) -> dict[str, Any]:
+        """A job whose ``resumeFrom`` names no job with a checkpoint never starts from step 0
+        in silence: its trainer stops, and the job's Failed condition (`kubectl wait
+        --for=condition=Failed`) quotes the trainer's reason, naming the field. Its Failed
+        condition."""
+        c, ns, name = self.cluster, self.namespace, f"{self.name}-nosource"
+        job = c.example_job(name, self.backend, **self.training)
+        job["spec"].update(self.spec, replicas=1, minReplicas=1,
+                           restartPolicy={"maxRestarts": 0})  # fmt: skip
+        job["spec"]["checkpoint"]["resumeFrom"] = "no-such-job"
+        c.apply_job(ns, job)
+        c.kubectl("wait", f"ctj/{name}", "-n", ns, "--for=condition=Failed", "--timeout=300s")
+        failed = condition(c.status(ns, name), "Failed")
+        assert "spec.checkpoint.resumeFrom" in failed["message"], failed
+        self._delete(name)
+        return failed
+
+    def queued_for_nodes(self) -> dict[str, Any]:
+        """A job that needs more nodes than the cluster has waits, creating nothing, with a
+        Queued condition that says why (`kubectl wait --for=condition=Queued`). Its Queued
+        condition."""
+        c, ns, name = self.cluster, self.namespace, f"{self.name}-wide"
+        job = c.example_job(name, self.backend, **self.training)
+        job["spec"].update(self.spec, replicas=64, minReplicas=64, maxReplicas=64)
+        c.apply_job(ns, job)
+        c.kubectl("wait", f"ctj/{name}", "-n", ns, "--for=condition=Queued", "--timeout=60s")
+        queued = condition(c.status(ns, name), "Queued")
+        assert queued["reason"] == "InsufficientNodes", queued
+        assert "needs at least 64" in queued["message"], queued
+        assert not c.pods(ns, name), "a queued job creates no pod"
+        self._delete(name)
+        return queued
+
+    def _delete(self, name: str) -> None:
+        c, ns = self.cluster, self.namespace
+        c.delete_job(ns, name)
+        c.wait(lambda: not c.children(ns, name), f"every child of {name} to go", 180)

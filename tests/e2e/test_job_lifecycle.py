@@ -91,8 +91,14 @@ class TestJobLifecycle:
     def test_deleting_the_job_removes_every_child(self, scenario: Lifecycle) -> None:
         scenario.deleted()
 
-    def test_a_new_job_resumes_from_the_deleted_one(self, scenario: Lifecycle) -> None:
+    def test_a_new_job_resumes_from_the_deleted_one_and_succeeds(self, scenario: Lifecycle) -> None:
         scenario.resumed_by_a_new_job()
+
+    def test_a_job_resuming_from_nothing_fails_naming_the_field(self, scenario: Lifecycle) -> None:
+        scenario.fails_naming_a_missing_source()
+
+    def test_a_job_wider_than_the_cluster_waits_queued(self, scenario: Lifecycle) -> None:
+        scenario.queued_for_nodes()
 
 
 class TestPytorchJobLifecycle(TestJobLifecycle):
@@ -109,7 +115,10 @@ class TestPytorchJobLifecycle(TestJobLifecycle):
     test_kubectl_scale_resizes_the_job = None  # type: ignore[assignment]
     # resumeFrom is resolved and read by the trainer's load, the same under either
     # backend: run once, above
-    test_a_new_job_resumes_from_the_deleted_one = None  # type: ignore[assignment]
+    test_a_new_job_resumes_from_the_deleted_one_and_succeeds = None  # type: ignore[assignment]
+    # the Failed and Queued conditions are the operator's, whatever the backend
+    test_a_job_resuming_from_nothing_fails_naming_the_field = None  # type: ignore[assignment]
+    test_a_job_wider_than_the_cluster_waits_queued = None  # type: ignore[assignment]
 
     @pytest.fixture(autouse=True)
     def _kubeflow(self, kubeflow: str) -> None:
