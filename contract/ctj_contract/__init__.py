@@ -55,6 +55,9 @@ class Condition(enum.StrEnum):
     RESTARTED = "Restarted"
     """Why the last attempt ended; True from the first restart on (status.restarts and
     status.nodeRestarts count them)."""
+    SPEC_PENDING = "SpecPending"
+    """True while the spec was changed after the running attempt started (status.
+    attemptGeneration < metadata.generation): the change applies at the next attempt."""
 
 
 # -- labels and annotations ---------------------------------------------------------------

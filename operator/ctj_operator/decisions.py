@@ -96,6 +96,7 @@ class JobState:
     storage: str | None = None  # the checkpoint location pinned at the first start
     conditions: Sequence[Mapping[str, Any]] = ()
     observed_generation: int = 0  # the spec generation last acted on
+    attempt_generation: int = 0  # the spec generation the current attempt was started from
     selector: str = ""  # the scale subresource's label selector, as written
     start_time: float | None = None  # when the operator first took the job up
 
@@ -403,13 +404,45 @@ def observed(obs: Observation) -> dict[str, Any]:
     state, update = obs.state, dict[str, Any]()
     if obs.generation and obs.generation != state.observed_generation:
         update["observedGeneration"] = obs.generation
-        if state.conditions:
-            update["conditions"] = stamped(state.conditions, obs.generation)
+        conditions = state.conditions
+        pending = spec_pending(state, obs.generation)
+        if pending:
+            conditions = set_condition(conditions, Condition.SPEC_PENDING, True,
+                                       "AppliesAtNextAttempt", pending, now=obs.now,
+                                       generation=obs.generation)  # fmt: skip
+        if conditions:
+            update["conditions"] = stamped(conditions, obs.generation)
     if obs.selector and obs.selector != state.selector:
         update["selector"] = obs.selector
     if state.start_time is None and state.phase not in TERMINAL:
         update["startTime"] = rfc3339(obs.now)
     return update
+
+
+def spec_pending(state: JobState, generation: int) -> str:
+    """Why the spec read (``generation``) is not what the running attempt runs, or "": a
+    change made after the attempt started applies at the next attempt (the fields that
+    cannot wait are immutable in the CRD)."""
+    if not state.attempt or not state.attempt_generation or state.phase in TERMINAL:
+        return ""
+    if generation <= state.attempt_generation:
+        return ""
+    return (
+        f"attempt {state.attempt} runs the spec of generation {state.attempt_generation}; "
+        f"generation {generation} applies at the next attempt (a restart, a resize or a "
+        "node's return): what the pods are made with is read when an attempt starts"
+    )
+
+
+def _applied(conditions: Sequence[Mapping[str, Any]], obs: Observation, attempt: int
+             ) -> list[dict[str, Any]]:  # fmt: skip
+    """A new attempt runs the spec read: a SpecPending condition turns False."""
+    found = find(conditions, Condition.SPEC_PENDING)
+    if found is None or found.get("status") != "True":
+        return [dict(c) for c in conditions]
+    message = f"attempt {attempt} runs generation {obs.generation}"
+    return set_condition(conditions, Condition.SPEC_PENDING, False, "Applied", message,
+                         now=obs.now, generation=obs.generation)  # fmt: skip
 
 
 def _observed(obs: Observation, plan: Plan) -> Plan:
@@ -764,8 +797,12 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
         "teardownSince": None,
         "sizeCap": None,
         "transition": None,
-        "conditions": phase_conditions(obs, Phase.RUNNING, "Started", message),
+        "conditions": _applied(
+            phase_conditions(obs, Phase.RUNNING, "Started", message), obs, attempt
+        ),
     }
+    if obs.generation:
+        start["attemptGeneration"] = obs.generation
     if state.storage is None:
         start["storage"] = {"uri": obs.uri}
     return Plan(
@@ -839,6 +876,7 @@ def job_state(status: Mapping[str, Any]) -> JobState:
         storage=storage.get("uri"),
         conditions=tuple(status.get("conditions") or ()),
         observed_generation=int(status.get("observedGeneration") or 0),
+        attempt_generation=int(status.get("attemptGeneration") or 0),
         selector=str(status.get("selector") or ""),
         start_time=parse_time(status["startTime"]) if status.get("startTime") else None,
     )

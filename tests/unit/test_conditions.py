@@ -243,3 +243,45 @@ def test_a_rejected_pod_restarts_with_standard_conditions() -> None:
     conditions = by_type(plan.status()["conditions"])
     assert conditions["Restarting"]["status"] == conditions["Restarted"]["status"] == "True"
     assert conditions["Running"]["status"] == "False"
+
+
+def test_an_edit_mid_attempt_is_shown_pending_until_the_next_attempt_runs_it() -> None:
+    healthy = dataclasses.replace(
+        RUNNING3,
+        healthy_since=0.0,
+        observed_generation=1,
+        attempt_generation=1,
+        selector="training.ctj.dev/job-name=job",
+        conditions=tuple(enter_phase([], Phase.RUNNING, "Started", "m", now=T0, generation=1)),
+    )
+    edited = decide(seen(healthy, T0 + 5, generation=2, the_pods=pods(3)))
+    pending = by_type(edited.status()["conditions"])["SpecPending"]
+    assert (pending["status"], pending["reason"]) == ("True", "AppliesAtNextAttempt")
+    assert "attempt 1 runs the spec of generation 1; generation 2 applies" in pending["message"]
+    assert pending["observedGeneration"] == 2
+    running = by_type(edited.status()["conditions"])["Running"]
+    assert (
+        running["lastTransitionTime"]
+        == by_type(list(healthy.conditions))["Running"]["lastTransitionTime"]
+    )
+
+    # the attempt ends (a rank's pod went); the next one starts from generation 2
+    state = dataclasses.replace(
+        healthy,
+        phase="Restarting",
+        torn_down=True,
+        observed_generation=2,
+        conditions=tuple(edited.status()["conditions"]),
+    )
+    started = decide(seen(state, T0 + 60, generation=2))
+    written = started.status()
+    assert written["attemptGeneration"] == 2
+    applied = by_type(written["conditions"])["SpecPending"]
+    assert (applied["status"], applied["reason"]) == ("False", "Applied")
+    assert applied["message"] == "attempt 2 runs generation 2"
+
+
+def test_an_attempt_started_before_attempt_generations_shows_nothing_pending() -> None:
+    legacy = dataclasses.replace(RUNNING3, healthy_since=0.0, observed_generation=1)
+    written = decide(seen(legacy, T0 + 5, generation=2, the_pods=pods(3))).status()
+    assert "SpecPending" not in by_type(written.get("conditions") or [])
