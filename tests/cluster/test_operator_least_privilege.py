@@ -253,3 +253,47 @@ def test_kubelet_leases_are_watched_with_only_the_kube_node_lease_role(
         )
     finally:
         watch.stop()
+
+
+@pytest.mark.parametrize("backend", ["pods", "pytorchjob"])
+def test_the_example_job_s_rank_pods_are_admitted_by_a_restricted_namespace(
+    cluster: Cluster, tmp_path: Path, backend: str
+) -> None:
+    """examples/job.yaml's rank pods as the operator builds them (its sidecar, volumes and
+    the example's restricted template), server-side dry-run into a namespace that
+    enforces `restricted`: the API server's Pod Security admission, not our rule list."""
+    from ctj_operator import builders
+    from ctj_operator.spec import JobSpec
+
+    from tests.conftest import ROOT
+
+    strict = f"strict-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", strict)
+    try:
+        cluster.kubectl(
+            "label", "namespace", strict, "pod-security.kubernetes.io/enforce=restricted"
+        )
+        example = yaml.safe_load((Path(ROOT) / "examples" / "job.yaml").read_text())
+        spec = JobSpec.parse({**example["spec"], "backend": backend})
+        body = {"metadata": {"name": "demo", "namespace": strict, "uid": "u-1"}}
+        uri = f"s3://bucket/jobs/{strict}/demo-u-1"
+        if backend == "pods":
+            pod_specs = [
+                builders.build_pod(body, spec, uri=uri, attempt=1, world_size=2, node_rank=r)[
+                    "spec"
+                ]
+                for r in range(2)
+            ]
+        else:
+            job = builders.build_pytorchjob(body, spec, uri=uri, attempt=1, world_size=2)
+            pod_specs = [r["template"]["spec"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
+        for i, pod_spec in enumerate(pod_specs):
+            meta = {"name": f"rank-{i}", "namespace": strict}
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+            manifest = tmp_path / f"rank-{i}.yaml"
+            manifest.write_text(yaml.safe_dump(pod))
+            proc = cluster.kubectl("create", "--dry-run=server", "-f", str(manifest), check=False)
+            assert proc.returncode == 0, proc.stderr
+            assert "would violate" not in proc.stderr, proc.stderr
+    finally:
+        cluster.kubectl("delete", "namespace", strict, "--wait=false", check=False)
