@@ -195,10 +195,16 @@ def chart_pods(helm: Helm, *sets: str) -> list[tuple[str, dict[str, Any]]]:
 def test_every_pod_the_chart_renders_is_restricted_with_a_read_only_root(
     helm: Helm, sets: tuple[str, ...]
 ) -> None:
+    """The node agent (component node-agent) is the one pod allowed a hostPath: every other
+    rule holds for it too."""
     pods = chart_pods(helm, *sets)
     assert any(name.startswith("Deployment/") for name, _ in pods)
     for name, template in pods:
-        assert violations(template["spec"]) == [], name
+        found = violations(template["spec"])
+        labels = template.get("metadata", {}).get("labels") or {}
+        if labels.get("app.kubernetes.io/component") == "node-agent":
+            found = [v for v in found if not (v.startswith("pod: volume") and "hostPath" in v)]
+        assert found == [], name
         assert writable_root(template["spec"]) == [], name
 
 
