@@ -28,6 +28,12 @@ stores in its last-applied annotation.
     hack/crd-schema.sh --openapi F     # or a saved /openapi/v3/api/v1
     hack/crd-schema.sh --check         # exit 1 if the CRDs would change
 
+A block may also name one of ctj's own functions (``LOCAL_BLOCKS``): the rules on a
+job's name come from operator/ctj_operator/names.py, where the limit is computed, so the
+number is never typed twice. ``--local`` rewrites only those, with no API server.
+
+    hack/crd-schema.sh --local         # the blocks from ctj's own code only
+
 The hand-written rest of the CRD (ctj's own fields, CEL rules, descriptions) is edited
 in crds/ directly; run this afterwards to copy it to the chart.
 """
@@ -39,7 +45,7 @@ import json
 import re
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +70,19 @@ QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
     r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
+
+
+def _name_rules() -> dict[str, Any]:
+    from ctj_operator.names import crd_validations
+
+    return crd_validations()
+
+
+LOCAL_BLOCKS: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
+    "ctj_operator.names.crd_validations": ("operator/ctj_operator/names.py", _name_rules),
+}
+"""Blocks written from ctj's own code, not from the API server's OpenAPI: name -> (the
+file it comes from, a function returning the YAML mapping to write)."""
 OMITTED = {"io.k8s.api.core.v1.PodSpec": ("ephemeralContainers",)}
 """Fields a template cannot carry: a pod is never created with ephemeral containers (the
 API server refuses them), and their schema would be a third of the template's. Left out,
@@ -158,8 +177,10 @@ def properties_of(schemas: Mapping[str, Any], definition: str) -> dict[str, Any]
     return dict(structural(schemas, {"$ref": definition})["properties"])
 
 
-def splice(crd: str, schemas: Mapping[str, Any], source: str) -> str:
-    """``crd`` with each generated block rewritten from ``schemas``."""
+def splice(crd: str, schemas: Mapping[str, Any] | None, source: str) -> str:
+    """``crd`` with each generated block rewritten: from ``schemas`` (the OpenAPI's, read
+    from ``source``), or from ctj's own code for LOCAL_BLOCKS. ``schemas`` None: the
+    OpenAPI blocks are kept as they are."""
     import yaml
 
     lines, out, i = crd.splitlines(keepends=True), [], 0
@@ -173,13 +194,17 @@ def splice(crd: str, schemas: Mapping[str, Any], source: str) -> str:
         end = next((j for j in range(i + 1, len(lines)) if END.match(lines[j])), None)
         if end is None:
             raise ValueError(f"line {i + 1}: '# BEGIN generated: {name}' has no '# END generated'")
-        body = yaml.safe_dump(
-            {"properties": properties_of(schemas, name)},
-            sort_keys=False,
-            width=10_000,
-            default_flow_style=False,
-        )
-        out.append(f"{indent}# BEGIN generated: {name} from {source} (hack/crd-schema.sh)\n")
+        if name in LOCAL_BLOCKS:
+            origin, make = LOCAL_BLOCKS[name]
+            content = make()
+        elif schemas is None:
+            out.extend(lines[i : end + 1])
+            i = end + 1
+            continue
+        else:
+            origin, content = source, {"properties": properties_of(schemas, name)}
+        body = yaml.safe_dump(content, sort_keys=False, width=10_000, default_flow_style=False)
+        out.append(f"{indent}# BEGIN generated: {name} from {origin} (hack/crd-schema.sh)\n")
         out.extend(f"{indent}{line}\n" for line in body.splitlines())
         out.append(lines[end])
         i = end + 1
@@ -219,15 +244,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kubeconfig", type=Path, help="read the OpenAPI of this cluster")
     parser.add_argument("--save-openapi", type=Path, help="also write the document read here")
     parser.add_argument("--check", action="store_true", help="exit 1 if a CRD would change")
+    parser.add_argument(
+        "--local", action="store_true", help="only the blocks from ctj's own code: no API server"
+    )
     args = parser.parse_args(argv)
-    if args.openapi is not None:
-        document = json.loads(args.openapi.read_text())
-    else:
-        document = fetch_openapi(args.kubeconfig)
-    if args.save_openapi is not None:
-        args.save_openapi.write_text(json.dumps(document))
-    source = f"Kubernetes {document['info']['version']} {OPENAPI_PATH}"
-    schemas = document["components"]["schemas"]
+    schemas: Mapping[str, Any] | None = None
+    source = "ctj's own code"
+    if not args.local:
+        if args.openapi is not None:
+            document = json.loads(args.openapi.read_text())
+        else:
+            document = fetch_openapi(args.kubeconfig)
+        if args.save_openapi is not None:
+            args.save_openapi.write_text(json.dumps(document))
+        source = f"Kubernetes {document['info']['version']} {OPENAPI_PATH}"
+        schemas = document["components"]["schemas"]
     generated = splice(CRDS[0].read_text(), schemas, source)
     changed = [path for path in CRDS if path.read_text() != generated]
     if args.check:
