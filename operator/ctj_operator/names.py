@@ -18,8 +18,8 @@ and every object the builders make for the longest admitted name.
 
 Why a limit and not shorter names (a hash of a long name): the derived names stay
 readable and predictable (``kubectl get pod <job>-a3-0``, ``MASTER_ADDR``, logs), the
-operator keeps finding its objects by name, and 46 characters (39 under Kubeflow) is
-more than Kubernetes leaves of a StatefulSet's or a Job's name for the same reason.
+operator keeps finding its objects by name; Kubernetes makes the same trade for a CronJob
+(at most 52 characters, so the Jobs named after it fit).
 """
 
 from __future__ import annotations
