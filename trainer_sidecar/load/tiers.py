@@ -1,7 +1,8 @@
 """Where a restore reads a chunk from: the node's cache, then a peer's, then the store.
 
 A restarted attempt's ranks mostly need what their nodes already hold (the
-node-local cache the uploader keeps, store/chunk_cache.py), and a rank on a
+node-local cache the uploader keeps: in a pod the node agent's, reached through
+store/agent_client.py; else a directory, store/chunk_cache.py), and a rank on a
 new node can read from its peers' caches (store/peers.py) before S3. The
 reader (chunk_reader.py) checks every block a tier returns against the
 manifest; a tier whose bytes fail is told (its entry dropped) and the next
@@ -26,7 +27,7 @@ import logging
 from collections.abc import Iterable, Iterator
 
 from ..format.manifest import ChunkRef
-from ..store.chunk_cache import ChunkCache
+from ..store.chunk_cache import NodeChunks
 from ..store.peer_limits import PeerClientLimits
 from ..store.peers import PeerCaches
 
@@ -57,18 +58,18 @@ class Tier(enum.StrEnum):
     STORE = "s3"
 
 
-
 @dataclasses.dataclass
 class ChunkTiers:
-    cache: ChunkCache | None = None
+    cache: NodeChunks | None = None
     peers: PeerCaches | None = None
 
     def prepare(self, chunks: Iterable[ChunkRef]) -> None:
         """Before a batch of reads: find which peers hold what the node does not."""
         if self.peers is None:
             return
-        missing = [c.id for c in chunks if self.cache is None or self.cache.size_of(c.id) is None]
-        self.peers.locate(missing)
+        ids = [c.id for c in chunks]
+        held = self.cache.held(ids) if self.cache is not None and ids else set()
+        self.peers.locate(i for i in ids if i not in held)
 
     def candidates(self, chunk: ChunkRef, start: int, end: int) -> Iterator[tuple[Tier, bytes]]:
         """(tier, raw bytes [start, end)) from each tier that has them, nearest first."""

@@ -18,6 +18,12 @@ needs nothing from the cache but bytes. That makes the rules here simple:
   evicted while another process reads it stays readable through its open fd.
 * The cache is an optimisation: an I/O error writing it is logged once and
   the cache is switched off for this process, never a failed save.
+
+In a pod the node's cache is not a directory of the pod's but the node agent's
+(trainer_sidecar/agent/): the pod reaches it through ``store.agent_client.AgentCache``,
+which has the same reading and writing methods (``NodeChunks``). This class is the
+on-disk layout, used by the agent for each job's directory and by runs outside a
+cluster that give ``CTJ_CACHE_DIR``.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,18 @@ STALE_TMP_S = 3600.0  # a temporary file this old is a write a crash cut short
 def valid_chunk_id(chunk_id: str) -> bool:
     """A chunk id as the format names them (64 hex digits): nothing else becomes a path."""
     return bool(_CHUNK_ID.fullmatch(chunk_id))
+
+
+class NodeChunks(Protocol):
+    """The node's chunk cache as the engine uses it (the uploader keeps what it saved, a
+    restore reads first and drops what fails its check, replication adds a neighbour's
+    share): a directory here (``ChunkCache``), or the node agent (``AgentCache``). Every
+    method is best effort: a miss or a failure is None / nothing, never an exception."""
+
+    def held(self, chunk_ids: Iterable[str]) -> set[str]: ...
+    def read(self, chunk_id: str, start: int, end: int) -> bytes | None: ...
+    def discard(self, chunk_id: str) -> None: ...
+    def keep(self, chunk_id: str, data: bytes | memoryview) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,6 +102,10 @@ class ChunkCache:
             return self.path(chunk_id).stat().st_size
         except (OSError, ValueError):
             return None
+
+    def held(self, chunk_ids: Iterable[str]) -> set[str]:
+        """Which of these chunks are here."""
+        return {c for c in chunk_ids if self.size_of(c) is not None}
 
     def open(self, chunk_id: str) -> BinaryIO | None:
         """The entry, open for reading (it stays readable if evicted meanwhile), or None.

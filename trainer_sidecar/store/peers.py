@@ -36,7 +36,6 @@ import socket
 import sys
 import threading
 import time
-import urllib.parse
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -60,7 +59,9 @@ from .peer_wire import (
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "CTJ_CACHE_TOKEN"
-__all__ = ["MAX_HAS_IDS", "TOKEN_ENV", "PeerCaches", "own_index", "serve_cache"]
+NODE_PATH = "/v1/node"
+"""On a sidecar whose node has an agent: ``{"agent": "host:port"}``, where the peers read."""
+__all__ = ["MAX_HAS_IDS", "NODE_PATH", "TOKEN_ENV", "PeerCaches", "own_index", "serve_cache"]
 
 
 # -- the server (in each sidecar) ------------------------------------------------------
@@ -69,9 +70,10 @@ __all__ = ["MAX_HAS_IDS", "TOKEN_ENV", "PeerCaches", "own_index", "serve_cache"]
 class _CacheHandler(http.server.BaseHTTPRequestHandler):
     """One connection: its requests, each phase within its deadline (peer_limits)."""
 
-    cache: ChunkCache
+    cache: ChunkCache | None
     token: bytes
     limits: PeerServerLimits
+    node_agent: str | None = None
     protocol_version = "HTTP/1.1"  # keep-alive: a restore makes many requests
     disable_nagle_algorithm = True
 
@@ -128,7 +130,7 @@ class _CacheHandler(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         if not self._authorized():
             return
-        if self.path != "/v1/has":
+        if self.path != "/v1/has" or self.cache is None:
             self._reply(404, b"")
             return
         length = self._body_length()
@@ -141,7 +143,9 @@ class _CacheHandler(http.server.BaseHTTPRequestHandler):
             return
         try:
             ids = json.loads(body)["ids"]
-            held = [i for i in ids if isinstance(i, str) and self.cache.size_of(i) is not None]
+            if not isinstance(ids, list):
+                raise TypeError("ids")
+            held = sorted(self.cache.held(i for i in ids if isinstance(i, str)))
         except (ValueError, KeyError, TypeError):
             self._reply(400, b"")
             return
@@ -150,8 +154,13 @@ class _CacheHandler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         if not self._authorized() or self._body_length(maximum=0) is None:
             return  # a GET with a body: 413, and the connection closed
+        if self.path == NODE_PATH and self.node_agent is not None:
+            body = json.dumps({"agent": self.node_agent}).encode()
+            self._reply(200, body, "application/json")
+            return
         chunk_id = self.path.removeprefix("/v1/chunks/")
-        f = self.cache.open(chunk_id) if valid_chunk_id(chunk_id) else None
+        usable = self.cache is not None and valid_chunk_id(chunk_id)
+        f = self.cache.open(chunk_id) if usable and self.cache is not None else None
         if f is None:
             self._reply(404, b"")
             return
@@ -248,16 +257,19 @@ class PeerCacheServer(http.server.ThreadingHTTPServer):
 
 
 def serve_cache(
-    cache: ChunkCache,
+    cache: ChunkCache | None,
     *,
     token: str,
     host: str = "0.0.0.0",
     port: int = 0,
     limits: PeerServerLimits | None = None,
+    node_agent: str | None = None,
 ) -> PeerCacheServer:
     """Serve ``cache`` to the job's peers on a thread; port 0 picks a free one. ``limits``:
     the deadlines and the connection bound (default: from CTJ_PEER_*, peer_limits.py).
-    Stop it with ``server.shutdown(); server.server_close()``."""
+    ``node_agent`` (``host:port``): where a node agent holds this node's cache instead
+    (``cache`` None); the server then only says so (``GET /v1/node``), and the peers read
+    from that agent. Stop it with ``server.shutdown(); server.server_close()``."""
     if len(token) < 16:
         raise ValueError(f"{TOKEN_ENV} must be a random secret of at least 16 characters")
     limits = PeerServerLimits.from_env() if limits is None else limits
@@ -265,7 +277,7 @@ def serve_cache(
         "Handler",
         (_CacheHandler,),
         # timeout: StreamRequestHandler sets it on the socket before the first read
-        {"cache": cache, "token": token.encode(), "limits": limits,
+        {"cache": cache, "token": token.encode(), "limits": limits, "node_agent": node_agent,
          "timeout": limits.header_deadline_s},
     )  # fmt: skip
     server = PeerCacheServer((host, port), handler, limits)
@@ -284,6 +296,74 @@ def own_index(peers: Sequence[str], hostname: str | None = None) -> int | None:
     return found[0] if found else None
 
 
+class Requester:
+    """HTTP/1.1 requests to ``host:port`` servers of the peer protocol (a peer's sidecar,
+    a node agent), each within a wall-clock deadline, on kept-alive connections per
+    thread; every request carries the job's token. Neither the request (which holds the
+    token) nor its answer is ever logged."""
+
+    def __init__(self, token: str, limits: PeerClientLimits) -> None:
+        self.token, self.limits = token, limits
+        self._addresses: dict[str, tuple[int, Any]] = {}
+        self._local = threading.local()
+
+    def _address(self, peer: str, deadline: Deadline) -> tuple[int, Any]:
+        address = self._addresses.get(peer)
+        if address is None:
+            host, port = split_address(peer)
+            address = self._addresses[peer] = resolve(host, port, deadline)
+        return address
+
+    def request(
+        self, peer: str, method: str, path: str, headers: dict[str, str] | None = None,
+        body: bytes | memoryview | None = None, *, max_body: int, seconds: float,
+        reuse: bool = True, content_type: str = "application/json",
+    ) -> tuple[int, bytes]:  # fmt: skip
+        """One request to ``peer`` within ``seconds`` of wall clock, on this thread's
+        kept-alive connection to it (``reuse``) if it was used within ``keepalive_s``."""
+        deadline = Deadline(seconds, f"{method} {path[:28]}")
+        fields = {"Host": peer, "Authorization": f"Bearer {self.token}", **(headers or {})}
+        if body is not None:
+            fields |= {"Content-Type": content_type, "Content-Length": str(len(body))}
+        head = "".join(f"{k}: {v}\r\n" for k, v in fields.items())
+        request = f"{method} {path} HTTP/1.1\r\n{head}\r\n".encode() + bytes(body or b"")
+        conns: dict[str, PeerConnection] = self._local.__dict__.setdefault("c", {})
+        for _ in range(2):
+            conn = conns.pop(peer, None) if reuse else None
+            if conn is not None and conn.idle_s() > self.limits.keepalive_s:
+                conn.close()  # the server may be closing it right now
+                conn = None
+            fresh = conn is None
+            if conn is None:
+                conn = PeerConnection.open(self._address(peer, deadline), deadline)
+            try:
+                status, data, keep = conn.exchange(request, max_body, deadline)
+            except StaleConnection:
+                conn.close()
+                if fresh:
+                    raise
+                continue  # a kept-alive connection the server had closed: once more, fresh
+            except BaseException:
+                conn.close()
+                raise
+            if keep and reuse:
+                conns[peer] = conn
+            else:
+                conn.close()
+            return status, data
+        raise AssertionError("unreachable")
+
+
+def split_address(peer: str) -> tuple[str, int]:
+    """``host:port`` (an IPv6 host in brackets, or bare: the port is after the last
+    colon) as (host, port); ValueError otherwise."""
+    host, sep, port = peer.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{peer!r} is not host:port")
+    return host, int(port)
+
+
 class PeerCaches:
     """The job's other pods' caches, as one restore (or one replication round) reads them.
 
@@ -293,28 +373,37 @@ class PeerCaches:
     (``renewed``)."""
 
     def __init__(
-        self, peers: Sequence[str], *, token: str, limits: PeerClientLimits | None = None
+        self,
+        peers: Sequence[str],
+        *,
+        token: str,
+        limits: PeerClientLimits | None = None,
+        job_path: str | None = None,
     ) -> None:
         """``peers``: every pod's cache server; this pod's own entry is left out.
-        ``limits``: default from CTJ_PEER_* (peer_limits.py)."""
+        ``limits``: default from CTJ_PEER_* (peer_limits.py). ``job_path`` (the job's
+        path on a node agent, store/agent_client.job_path): the peers' nodes have agents;
+        each peer is asked once where its node's agent is (``GET /v1/node``) and the chunks
+        are read from that agent, directly."""
         own = own_index(peers)
         self.peers = [p for i, p in enumerate(peers) if p and i != own]
         self.limits = PeerClientLimits.from_env() if limits is None else limits
         self._token = token
+        self._job_path = job_path
+        self._agents: dict[str, str] = {}  # peer -> its node agent's host:port
+        self._http = Requester(token, self.limits)
         self._held: dict[str, list[str]] = {}  # chunk id -> peers that said they hold it
         self._served_by: dict[str, str] = {}  # chunk id -> the peer its last bytes came from
         self._down: set[str] = set()
-        self._addresses: dict[str, tuple[int, Any]] = {}
         self._waste = WasteMeter()
         self._out_of_budget = False
         self._lock = threading.Lock()
-        self._local = threading.local()
 
     def renewed(self, **limits: float) -> PeerCaches:
         """The same peers, token and limits (but those given), nothing remembered: for the
         next restore."""
         new_limits = dataclasses.replace(self.limits, **limits)
-        return PeerCaches(self.peers, token=self._token, limits=new_limits)
+        return PeerCaches(self.peers, token=self._token, limits=new_limits, job_path=self._job_path)
 
     @property
     def wasted_s(self) -> float:
@@ -340,6 +429,8 @@ class PeerCaches:
 
     def _has(self, peer: str, body: bytes, wanted: set[str]) -> list[str]:
         try:
+            if self._job_path is not None and peer not in self._agents:
+                self._agents[peer] = self._find_agent(peer)
             status, data = self._request(
                 peer, "POST", "/v1/has", body=body,
                 max_body=len(body) + 1024,  # the ids held: some of those asked
@@ -351,6 +442,32 @@ class PeerCaches:
         except (OSError, ValueError, KeyError, TypeError, PeerProtocolError) as exc:
             self._mark_down(peer, _why(exc))
             return []
+
+    def _find_agent(self, peer: str) -> str:
+        """The node agent of ``peer``'s node, as its sidecar names it (``GET /v1/node``)."""
+        status, data = self._http.request(
+            peer, "GET", NODE_PATH, max_body=1024, seconds=self.limits.locate_deadline_s,
+            reuse=False,
+        )  # fmt: skip
+        if status != 200:
+            raise PeerProtocolError(f"answered HTTP {status} to where its node agent is")
+        agent = json.loads(data)["agent"]
+        if not isinstance(agent, str):
+            raise PeerProtocolError("named no node agent")
+        split_address(agent)  # ValueError unless host:port
+        return agent
+
+    def _request(
+        self, peer: str, method: str, path: str, headers: dict[str, str] | None = None,
+        body: bytes | None = None, *, max_body: int, seconds: float, reuse: bool = True,
+    ) -> tuple[int, bytes]:  # fmt: skip
+        """A request of the peer protocol to ``peer``: to its node's agent, under the
+        job's path, where the nodes have agents."""
+        if self._job_path is not None:
+            peer, path = self._agents[peer], self._job_path + path.removeprefix("/v1")
+        return self._http.request(
+            peer, method, path, headers, body, max_body=max_body, seconds=seconds, reuse=reuse
+        )
 
     def read(self, chunk_id: str, start: int, end: int) -> bytes | None:
         """Bytes [start, end) of the chunk from a peer that holds it, or None: within
@@ -421,53 +538,6 @@ class PeerCaches:
             self._down.add(peer)
         if new:
             log.warning("peer cache %s %s: reading around it in this restore", peer, why)
-
-    def _address(self, peer: str, deadline: Deadline) -> tuple[int, Any]:
-        address = self._addresses.get(peer)
-        if address is None:
-            url = urllib.parse.urlsplit(f"http://{peer}")
-            if not url.hostname or url.port is None:
-                raise ValueError(f"{peer!r} is not host:port")
-            address = self._addresses[peer] = resolve(url.hostname, url.port, deadline)
-        return address
-
-    def _request(
-        self, peer: str, method: str, path: str, headers: dict[str, str] | None = None,
-        body: bytes | None = None, *, max_body: int, seconds: float, reuse: bool = True,
-    ) -> tuple[int, bytes]:  # fmt: skip
-        """One request to ``peer`` within ``seconds`` of wall clock, on this thread's
-        kept-alive connection to it (``reuse``) if it was used within ``keepalive_s``."""
-        deadline = Deadline(seconds, f"{method} {path[:28]}")
-        fields = {"Host": peer, "Authorization": f"Bearer {self._token}", **(headers or {})}
-        if body is not None:
-            fields |= {"Content-Type": "application/json", "Content-Length": str(len(body))}
-        head = "".join(f"{k}: {v}\r\n" for k, v in fields.items())
-        request = f"{method} {path} HTTP/1.1\r\n{head}\r\n".encode() + (body or b"")
-        conns: dict[str, PeerConnection] = self._local.__dict__.setdefault("c", {})
-        for _ in range(2):
-            conn = conns.pop(peer, None) if reuse else None
-            if conn is not None and conn.idle_s() > self.limits.keepalive_s:
-                conn.close()  # the server may be closing it right now
-                conn = None
-            fresh = conn is None
-            if conn is None:
-                conn = PeerConnection.open(self._address(peer, deadline), deadline)
-            try:
-                status, data, keep = conn.exchange(request, max_body, deadline)
-            except StaleConnection:
-                conn.close()
-                if fresh:
-                    raise
-                continue  # a kept-alive connection the server had closed: once more, fresh
-            except BaseException:
-                conn.close()
-                raise
-            if keep and reuse:
-                conns[peer] = conn
-            else:
-                conn.close()
-            return status, data
-        raise AssertionError("unreachable")
 
 
 def _why(exc: BaseException) -> str:

@@ -29,7 +29,7 @@ from ..format.chunking import blocks_match
 from ..format.manifest import METADATA_FILE, ChunkRef, Manifest, SaveIdentity
 from . import commit as commits
 from .base import ObjectStore
-from .chunk_cache import ChunkCache
+from .chunk_cache import NodeChunks
 from .peers import PeerCaches
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,12 @@ def round_peers(peers: PeerCaches) -> PeerCaches:
 
 
 def replicate(
-    manifest: Manifest, cache: ChunkCache, peers: PeerCaches, *, own: int, pods: int
+    manifest: Manifest, cache: NodeChunks, peers: PeerCaches, *, own: int, pods: int
 ) -> int:
     """Copy the neighbour's missing chunks into ``cache``; the bytes copied."""
-    wanted = [c for c in neighbour_chunks(manifest, own, pods) if cache.size_of(c.id) is None]
+    share = neighbour_chunks(manifest, own, pods)
+    held = cache.held(c.id for c in share) if share else set()
+    wanted = [c for c in share if c.id not in held]
     if not wanted:
         return 0
     peers.locate(c.id for c in wanted)
@@ -94,7 +96,7 @@ class Replicator:
     def __init__(
         self,
         store: ObjectStore,
-        cache: ChunkCache,
+        cache: NodeChunks,
         peers: PeerCaches,
         *,
         own: int,

@@ -1,0 +1,166 @@
+"""The node agent's cache, as a pod's processes use it: the same methods as a cache directory.
+
+A training pod has no hostPath: the node's chunk cache belongs to the node agent
+(trainer_sidecar/agent/), a DaemonSet pod that the pods of every job on the node reach at
+the node's address (``status.hostIP``, the agent's hostPort). ``AgentCache`` gives the
+uploader, the restore's tiers and replication what ``ChunkCache`` gives them
+(``chunk_cache.NodeChunks``), over the peer protocol's HTTP (store/peers.py), scoped to
+one job and authenticated with its token:
+
+    POST   <job>/has          {"ids": [...]}   -> {"ids": [the ones held]}
+    POST   <job>/touch        {"ids": [...]}   -> the same, and marks those used (LRU)
+    GET    <job>/chunks/<id>  Range: bytes=a-b -> 206, the raw bytes [a, b]
+    PUT    <job>/chunks/<id>  the raw bytes    -> 204 (held from now on)
+    DELETE <job>/chunks/<id>                   -> 204 (its bytes failed a check)
+
+where ``<job>`` is ``/v1/jobs/<namespace>/<name>/<uid>`` (``job_path``). The agent
+recomputes the job's token from that path (ctj_contract.tokens) and answers 401 to any
+other. Every request has the peer client's wall-clock deadline (store/peer_limits.py);
+the cache is an optimisation, so a failed request is a miss, and after one the agent is
+left alone for ``PAUSE_S`` (a save never waits on an agent that is down).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterable
+
+from .chunk_cache import valid_chunk_id
+from .peer_limits import MAX_HAS_IDS, PeerClientLimits
+from .peer_wire import PeerProtocolError
+from .peers import Requester, split_address
+
+log = logging.getLogger(__name__)
+
+PAUSE_S = 30.0
+"""After a failed request, the agent is not asked again for this long."""
+MAX_CHUNK_BYTES = 64 << 20
+"""The largest chunk (format/chunking: at most 64 MiB): the most a PUT may carry."""
+
+_NAMESPACE = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_NAME = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"
+_UID = r"[a-z0-9]([-a-z0-9]{0,62}[a-z0-9])?"
+JOB_PATH = re.compile(rf"/v1/jobs/(?P<ns>{_NAMESPACE})/(?P<name>{_NAME})/(?P<uid>{_UID})")
+
+
+def job_path(namespace: str, name: str, uid: str) -> str:
+    """The job's prefix on a node agent; ValueError for a part Kubernetes would not allow."""
+    path = f"/v1/jobs/{namespace}/{name}/{uid}"
+    if not JOB_PATH.fullmatch(path) or ".." in name:
+        raise ValueError(f"job {namespace}/{name} (uid {uid!r}) cannot name a node agent path")
+    return path
+
+
+class AgentCache:
+    """The node agent's cache of one job (``chunk_cache.NodeChunks``), thread-safe."""
+
+    def __init__(
+        self, agent: str, path: str, *, token: str, limits: PeerClientLimits | None = None
+    ) -> None:
+        """``agent``: host:port of the node's agent; ``path``: ``job_path(...)``."""
+        split_address(agent)
+        self.agent, self.path = agent, path
+        self.limits = PeerClientLimits.from_env() if limits is None else limits
+        self._http = Requester(token, self.limits)
+        self._paused_until = 0.0
+        self._lock = threading.Lock()
+
+    # -- NodeChunks --------------------------------------------------------------------
+
+    def held(self, chunk_ids: Iterable[str]) -> set[str]:
+        return self._ids("/has", chunk_ids)
+
+    def read(self, chunk_id: str, start: int, end: int) -> bytes | None:
+        if not valid_chunk_id(chunk_id) or not 0 <= start < end:
+            return None
+        answer = self._call(
+            "GET", f"/chunks/{chunk_id}", {"Range": f"bytes={start}-{end - 1}"},
+            max_body=end - start,
+        )  # fmt: skip
+        if answer is None or answer[0] != 206 or len(answer[1]) != end - start:
+            return None
+        return answer[1]
+
+    def discard(self, chunk_id: str) -> None:
+        if valid_chunk_id(chunk_id):
+            self._call("DELETE", f"/chunks/{chunk_id}", max_body=0)
+
+    def keep(self, chunk_id: str, data: bytes | memoryview) -> None:
+        """Hold these raw bytes on the node: sent only if the agent does not hold them
+        already (an unchanged chunk of an incremental save costs a small request)."""
+        if not valid_chunk_id(chunk_id):
+            raise ValueError(f"not a chunk id: {chunk_id!r}")
+        if len(data) > MAX_CHUNK_BYTES or self._ids("/touch", [chunk_id]) or self._paused():
+            return
+        self._call(
+            "PUT", f"/chunks/{chunk_id}", body=data, max_body=0,
+            content_type="application/octet-stream",
+        )  # fmt: skip
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _ids(self, action: str, chunk_ids: Iterable[str]) -> set[str]:
+        wanted = sorted({c for c in chunk_ids if valid_chunk_id(c)})
+        held: set[str] = set()
+        for i in range(0, len(wanted), MAX_HAS_IDS):
+            batch = wanted[i : i + MAX_HAS_IDS]
+            body = json.dumps({"ids": batch}).encode()
+            answer = self._call("POST", action, body=body, max_body=len(body) + 1024)
+            if answer is None or answer[0] != 200:
+                return held
+            try:
+                found = json.loads(answer[1])["ids"]
+                held.update(c for c in found if isinstance(c, str) and c in set(batch))
+            except (ValueError, KeyError, TypeError):
+                self._failed("answered nonsense to a has-query")
+                return held
+        return held
+
+    def _call(
+        self,
+        method: str,
+        action: str,
+        headers: dict[str, str] | None = None,
+        *,
+        body: bytes | memoryview | None = None,
+        max_body: int,
+        content_type: str = "application/json",
+    ) -> tuple[int, bytes] | None:
+        """(status, body) of a 2xx answer; None for a miss (404) or a failure (which
+        pauses the agent)."""
+        if self._paused():
+            return None
+        size = len(body) if body is not None else max_body
+        try:
+            status, data = self._http.request(
+                self.agent, method, self.path + action, headers, body,
+                max_body=max_body, seconds=self.limits.deadline_s(size),
+                content_type=content_type,
+            )  # fmt: skip
+        except (OSError, ValueError, PeerProtocolError) as exc:
+            self._failed(f"failed ({type(exc).__name__}: {exc})")
+            return None
+        if status == 404:
+            return None
+        if status >= 300:
+            if status != 507:  # 507: the node's bound is taken by writes in flight
+                self._failed(f"answered HTTP {status} to {method}")
+            return None
+        return status, data
+
+    def _paused(self) -> bool:
+        with self._lock:
+            return time.monotonic() < self._paused_until
+
+    def _failed(self, why: str) -> None:
+        with self._lock:
+            first = time.monotonic() >= self._paused_until
+            self._paused_until = time.monotonic() + PAUSE_S
+        if first:
+            log.warning(
+                "node agent %s %s: not using the node's cache for %.0fs", self.agent, why, PAUSE_S
+            )
