@@ -1,0 +1,84 @@
+"""The node tier on a real cluster: the chart's node agents hold a job's chunks on the
+nodes its ranks ran on, and a deleted job's data is gone from every node within the
+agents' bound (one collection period plus one list: 10 s by default; 30 s asserted).
+
+Each node's cache is read through its agent pod (``kubectl exec`` into the DaemonSet's
+pod: the only pod with the hostPath), so this runs on any cluster, not only kind.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from ctj_stack import Stack
+from ctj_stack.scenario import TRAINING
+
+JOB = "agentgc"
+WORLD = 2
+BOUND_S = 30.0
+AGENT_SELECTOR = "app.kubernetes.io/component=node-agent"
+
+
+def agent_pods(stack: Stack, operator_namespace: str) -> list[str]:
+    out = stack.kubectl(
+        "get", "pods", "-n", operator_namespace, "-l", AGENT_SELECTOR,
+        "-o", "jsonpath={.items[*].metadata.name}",
+    )  # fmt: skip
+    return out.split()
+
+
+def job_dirs(stack: Stack, operator_namespace: str, namespace: str) -> dict[str, list[str]]:
+    """Per agent pod: the uid directories of the job on its node."""
+    found = {}
+    for pod in agent_pods(stack, operator_namespace):
+        out = stack.kubectl(
+            "exec", "-n", operator_namespace, pod, "-c", "node-agent", "--",
+            "sh", "-c", f"ls /cache/{namespace}/{JOB} 2>/dev/null || true",
+        )  # fmt: skip
+        found[pod] = out.split()
+    return found
+
+
+def test_a_deleted_jobs_cache_is_gone_from_every_node_within_the_bound(
+    stack: Stack, operator_installed: str, job_namespace: str
+) -> None:
+    pods = agent_pods(stack, operator_installed)
+    assert pods, "the chart installed no node agent"
+    job = stack.example_job(JOB, "pods", **TRAINING)
+    job["spec"].update(replicas=WORLD)
+    stack.apply_job(job_namespace, job)
+
+    def committed() -> dict[str, Any] | None:
+        st = stack.running(job_namespace, JOB, WORLD)
+        return st if st and (st.get("lastCheckpoint") or {}).get("step", 0) >= 10 else None
+
+    stack.wait(committed, f"{WORLD} pods running, a checkpoint committed", 600,
+               lambda: stack.describe(job_namespace, JOB))  # fmt: skip
+    uid = stack.kubectl("get", "ctj", "-n", job_namespace, JOB, "-o", "jsonpath={.metadata.uid}")
+    held = {pod: dirs for pod, dirs in job_dirs(stack, operator_installed, job_namespace).items()
+            if dirs}  # fmt: skip
+    # every rank's sidecar gave its node's agent the chunks it saved, in the job's uid dir
+    assert len(held) >= WORLD, held
+    assert all(dirs == [uid] for dirs in held.values()), (uid, held)
+
+    stack.delete_job(job_namespace, JOB)
+    stack.wait(lambda: not stack.children(job_namespace, JOB), f"every child of {JOB} to go", 180)
+    stack.wait(
+        lambda: (
+            not stack.kubectl("get", "ctj", "-n", job_namespace, "--ignore-not-found", "-o", "name")
+        ),  # fmt: skip
+        f"{JOB} gone from the API",
+        120,
+    )
+    gone_at = time.monotonic()
+
+    def removed() -> bool:
+        return not any(job_dirs(stack, operator_installed, job_namespace).values())
+
+    stack.wait(removed, f"{JOB}'s cache removed from every node", BOUND_S + 30,
+               lambda: str(job_dirs(stack, operator_installed, job_namespace)))  # fmt: skip
+    took = time.monotonic() - gone_at
+    if took > BOUND_S:
+        pytest.fail(f"the cache was removed {took:.0f}s after the job, over {BOUND_S:.0f}s")
