@@ -403,7 +403,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     port = args.metrics_port if args.metrics_port is not None else config.metrics_port
     grace = args.grace if args.grace is not None else config.shutdown_grace_s
     host = args.metrics_host or os.environ.get("CTJ_METRICS_HOST") or "0.0.0.0"
-    beat = HeartbeatSettings.from_env()  # CTJ_HEARTBEAT_LEASE unset: no heartbeat
+    beat = HeartbeatSettings.from_env()  # no job token (not a pod of ours): no heartbeat
     return sidecar.run(config, metrics_port=port, grace_s=grace, metrics_host=host, heartbeat=beat)
 
 
@@ -413,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc = top.add_parser(
         "sidecar",
         help="persist what the trainer stages (runs beside it; settings from CTJ_* env; "
-        "CTJ_HEARTBEAT_LEASE: renew that Lease, see trainer_sidecar/heartbeat.py)",
+        "answers the operator's heartbeat on the metrics port, see trainer_sidecar/heartbeat.py)",
     )
     sc.add_argument("--uri", help="checkpoint location (default: CTJ_CHECKPOINT_URI)")
     sc.add_argument("--staging-dir", help="staging root shared with the trainer (CTJ_STAGING_DIR)")
@@ -431,6 +431,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to finish staged work after SIGTERM (CTJ_SHUTDOWN_GRACE_S, 25)",
     )
     sc.set_defaults(fn=cmd_sidecar)
+    ag = top.add_parser(
+        "agent",
+        help="the node agent: every job's node cache on this node (a DaemonSet; "
+        "trainer_sidecar/agent/)",
+    )
+    from .agent import main as agent_main  # stdlib and ctj_contract only
+
+    agent_main.add_arguments(ag)
+    ag.set_defaults(fn=agent_main.run)
     ck = top.add_parser("checkpoints", help="inspect and manage a job's checkpoints")
     sub = ck.add_subparsers(dest="action", required=True)
 

@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from ctj_contract import Env
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -197,18 +197,18 @@ class CheckpointMetrics:
 
 
 class HeartbeatMetrics:
-    """The sidecar's Lease heartbeat (trainer_sidecar/heartbeat.py), on the sidecar's registry
-    (the library's processes do not beat, so they do not export these)."""
+    """The operator's heartbeat asks this sidecar answered (trainer_sidecar/heartbeat.py),
+    on the sidecar's registry (the library's processes do not beat)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.beats = Counter(
             "ctj_heartbeats",
-            "Lease renewals the API server accepted.",
+            "Heartbeat asks from the operator this sidecar answered.",
             registry=registry,
         )
-        self.failures = Counter(
-            "ctj_heartbeat_failures",
-            "Lease renewals that failed (API server unreachable, 403, 404, ...).",
+        self.refused = Counter(
+            "ctj_heartbeats_refused",
+            "Heartbeat asks refused (no or a wrong job token, a malformed body).",
             registry=registry,
         )
 
@@ -235,12 +235,36 @@ class StagingCollector:
         )
 
 
+Response = tuple[int, str, bytes]
+PostRoute = Callable[[bytes, "str | None"], Response]
+"""(the request's body, its Authorization header) -> the response."""
+MAX_POST_BYTES = 4096
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
-    routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {}
+    routes: dict[str, Callable[[], Response]] = {}
+    post_routes: dict[str, PostRoute] = {}
+    timeout = 10  # a client that sends headers and no body holds a thread no longer
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         route = self.routes.get(self.path.split("?")[0])
-        code, ctype, body = route() if route else (404, "text/plain", b"not found\n")
+        self._send(*(route() if route else (404, "text/plain", b"not found\n")))
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        route = self.post_routes.get(self.path.split("?")[0])
+        try:
+            length = int(self.headers.get("Content-Length") or "0")
+        except ValueError:
+            length = -1
+        if route is None:
+            self._send(404, "text/plain", b"not found\n")
+        elif not 0 <= length <= MAX_POST_BYTES:
+            self.close_connection = True  # the body is not read: the connection is done
+            self._send(413, "text/plain", f"at most {MAX_POST_BYTES} bytes\n".encode())
+        else:
+            self._send(*route(self.rfile.read(length), self.headers.get("Authorization")))
+
+    def _send(self, code: int, ctype: str, body: bytes) -> None:
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
@@ -258,8 +282,10 @@ def serve(
     healthy: Callable[[], bool] = lambda: True,
     ready: Callable[[], bool] = lambda: True,
     host: str = "0.0.0.0",
+    post_routes: Mapping[str, PostRoute] | None = None,
 ) -> http.server.ThreadingHTTPServer:
-    """/metrics, /healthz and /readyz on a daemon thread; port 0 picks a free one."""
+    """/metrics, /healthz and /readyz on a daemon thread; port 0 picks a free one.
+    ``post_routes``: more paths, POSTed to (the heartbeat's)."""
 
     def probe(check: Callable[[], bool]) -> Callable[[], tuple[int, str, bytes]]:
         return lambda: (200, "text/plain", b"ok\n") if check() else (503, "text/plain", b"no\n")
@@ -272,7 +298,8 @@ def serve(
                 "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics.exposition()),
                 "/healthz": probe(healthy),
                 "/readyz": probe(ready),
-            }
+            },
+            "post_routes": dict(post_routes or {}),
         },
     )
     server = http.server.ThreadingHTTPServer((host, port), handler)

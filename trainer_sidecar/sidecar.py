@@ -11,8 +11,8 @@ leaves staged checkpoints for its next start and commits nothing partial.
 Serves /metrics, /healthz (the persist loop is alive) and /readyz (the store
 answered) when given a port.
 
-Given heartbeat settings (CTJ_HEARTBEAT_LEASE, in a pod the operator made), it renews
-the pod's Lease on a thread of its own, from start-up until ``run()`` returns, SIGTERM
+Given heartbeat settings (the job's token, in a pod the operator made), it answers the
+operator's heartbeat on the metrics port, from start-up until ``run()`` returns, SIGTERM
 grace included: the operator sees a dead rank in seconds, reads rank 0's last commit
 from it, and asks for a checkpoint through it (heartbeat.py).
 """
@@ -27,13 +27,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ctj_contract import HEARTBEAT_PATH
+
 from . import __version__
 from . import heartbeat as heartbeats
 from .config import CheckpointConfig, job_staging_dir
 from .errors import CheckpointError
-from .metrics import CheckpointMetrics, HeartbeatMetrics, StagingCollector, serve
+from .metrics import CheckpointMetrics, HeartbeatMetrics, PostRoute, StagingCollector, serve
 from .parts import Parts
 from .save import slots
+from .store.chunk_cache import ChunkCache
 from .store.peers import own_index, serve_cache
 from .store.replication import Replicator
 
@@ -153,6 +156,16 @@ def run(
     with SignalThread((signal.SIGTERM, signal.SIGINT), on_signal):
         ready = threading.Event()
         server = None
+        post_routes: dict[str, PostRoute] = {}
+        if heartbeat is not None:
+            endpoint = heartbeats.HeartbeatEndpoint(
+                heartbeat,
+                latest=persister.latest_committed,
+                root=root,
+                on_ended=persister.attempt_ended,
+                metrics=HeartbeatMetrics(metrics.registry),
+            )
+            post_routes[HEARTBEAT_PATH] = endpoint.handle
         if metrics_port is not None:
             server = serve(
                 metrics_port,
@@ -160,43 +173,37 @@ def run(
                 healthy=lambda: not stop.is_set(),
                 ready=ready.is_set,
                 host=metrics_host,
+                post_routes=post_routes,
             )
-            log.info("serving /metrics, /healthz, /readyz on port %d", server.server_address[1])
+            paths = ", ".join(["/metrics", "/healthz", "/readyz", *post_routes])
+            log.info("serving %s on port %d", paths, server.server_address[1])
+        elif heartbeat is not None:
+            log.warning("no metrics port: the operator's heartbeat has nowhere to ask")
         peer_server = None
         if parts.cache is not None and config.cache_port is not None and config.cache_token:
+            # with a node agent, the peers read from it: this pod only says where it is
             peer_server = serve_cache(
-                parts.cache, token=config.cache_token, host=metrics_host, port=config.cache_port
-            )
+                parts.cache if isinstance(parts.cache, ChunkCache) else None,
+                token=config.cache_token, host=metrics_host, port=config.cache_port,
+                node_agent=config.node_agent,
+            )  # fmt: skip
             log.info("serving the node's chunk cache to the job's peers on port %d",
                      peer_server.server_address[1])  # fmt: skip
         log.info("persisting %s staged under %s to %s", config.mode, root, config.uri)
-        beat = None
-        if heartbeat is not None:
-            beat = heartbeats.start(
-                heartbeat,
-                root=root,
-                latest=persister.latest_committed,
-                metrics=HeartbeatMetrics(metrics.registry),
-                on_gone=persister.attempt_ended,
-            )
-        try:
-            delay = 0.5
-            while not stop.is_set() and not ready.is_set():
-                try:
-                    persister.publish_latest()
-                    ready.set()
-                except CheckpointError as exc:  # the store is not there yet: say so, keep trying
-                    log.error("%s (retrying)", exc)
-                    stop.wait(delay)
-                    delay = min(delay * 2, 10.0)
-                except Exception:  # noqa: BLE001 - see _start_up_failed
-                    _start_up_failed()
-                    ready.set()
-            started = time.monotonic()
-            persister.run(stop, grace_s=grace_s)
-        finally:
-            if beat is not None:
-                beat.stop()  # joined: no thread of ours outlives run()
+        delay = 0.5
+        while not stop.is_set() and not ready.is_set():
+            try:
+                persister.publish_latest()
+                ready.set()
+            except CheckpointError as exc:  # the store is not there yet: say so, keep trying
+                log.error("%s (retrying)", exc)
+                stop.wait(delay)
+                delay = min(delay * 2, 10.0)
+            except Exception:  # noqa: BLE001 - see _start_up_failed
+                _start_up_failed()
+                ready.set()
+        started = time.monotonic()
+        persister.run(stop, grace_s=grace_s)
         left = [s.step for _, s in slots.pending(root)]
         if server is not None:
             server.shutdown()

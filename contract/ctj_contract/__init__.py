@@ -1,8 +1,8 @@
 """The contract between the operator and the pods it makes: every name that crosses.
 
 The operator writes these names into the objects it creates (labels, annotations,
-environment variables, Leases); the engine and its sidecar read them back in the pod,
-and write the heartbeat and the last-checkpoint report the operator reads. Both sides
+environment variables); the engine and its sidecar read them back in the pod,
+and answer the operator's heartbeat with the last-checkpoint report it reads. Both sides
 import this module, so a name is spelled once; tests/unit/test_contract.py builds a pod
 with the operator's builders and starts the engine's configuration from its environment.
 
@@ -16,7 +16,7 @@ import enum
 import json
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 # -- the API group and the resource ------------------------------------------------------
 
@@ -60,19 +60,13 @@ class Condition(enum.StrEnum):
     attemptGeneration < metadata.generation): the change applies at the next attempt."""
 
 
-# -- labels and annotations ---------------------------------------------------------------
+# -- labels ---------------------------------------------------------------------------------
 
 LABEL_JOB = f"{GROUP}/job-name"
 """On every object of a job: the job's name (the operator's watches select on it)."""
 LABEL_ATTEMPT = f"{GROUP}/attempt"
 LABEL_RANK = f"{GROUP}/node-rank"
 LABEL_WORLD = f"{GROUP}/world-size"
-
-ANNOTATION_LAST_CHECKPOINT = f"{GROUP}/last-checkpoint"
-"""On rank 0's heartbeat Lease, written by its sidecar: a ``LastCheckpoint``, as JSON."""
-ANNOTATION_CHECKPOINT_REQUEST = f"{GROUP}/checkpoint-request"
-"""On every rank's Lease, written by the operator: an opaque id; a new one asks the
-trainer to save at its next step boundary (a planned transition)."""
 
 
 # -- environment variables the operator sets in the pods ----------------------------------
@@ -107,31 +101,35 @@ class Env:
     NODE_RANK = "NODE_RANK"
     # the sidecar
     METRICS_HOST = "CTJ_METRICS_HOST"
-    HEARTBEAT_LEASE = "CTJ_HEARTBEAT_LEASE"
-    POD_NAMESPACE = "CTJ_POD_NAMESPACE"
-    HEARTBEAT_PERIOD_S = "CTJ_HEARTBEAT_PERIOD_S"
     # the node-local chunk cache and its peers
-    CACHE_DIR = "CTJ_CACHE_DIR"
-    CACHE_MAX_BYTES = "CTJ_CACHE_MAX_BYTES"
     CACHE_PEERS = "CTJ_CACHE_PEERS"
     """host:port of every pod's cache server, in node-rank order, comma-separated."""
     CACHE_TOKEN = "CTJ_CACHE_TOKEN"
+    """The job's token (``ctj_contract.tokens``): its peers', its node agents' and the
+    operator's heartbeat requests carry it. Set in every rank's sidecar, from the job's
+    Secret."""
     CACHE_PORT = "CTJ_CACHE_PORT"
+    # the node agent (a DaemonSet) that holds the node's cache: training pods have no hostPath
+    NODE_AGENT_HOST = "CTJ_NODE_AGENT_HOST"
+    """The node's address (the downward API's status.hostIP): the agent's hostPort is there."""
+    NODE_AGENT_PORT = "CTJ_NODE_AGENT_PORT"
+    JOB_NAMESPACE = "CTJ_JOB_NAMESPACE"
+    JOB_NAME = "CTJ_JOB_NAME"
+    JOB_UID = "CTJ_JOB_UID"
+    """The job's identity: its path on the node agents, and what its token derives from
+    (``ctj_contract.tokens``)."""
+
+
+NODE_AGENT_PORT = 9403
+"""The node agent's port (a hostPort on every node; its container port is named
+``node-cache``)."""
 
 
 CACHE_TOKEN_KEY = "token"
-"""The key of the job's cache Secret that holds ``Env.CACHE_TOKEN``."""
+"""The key of the job's Secret (``<job>-ctj-cache``) that holds ``Env.CACHE_TOKEN``."""
 
 
-# -- the heartbeat: a merge patch of the rank's Lease -------------------------------------
-
-
-def micro_time(ts: float) -> str:
-    """A Kubernetes MicroTime: RFC 3339 in UTC with microseconds, 2026-12-01T12:00:00.123456Z."""
-    us = round(ts * 1_000_000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(us // 1_000_000)) + (
-        f".{us % 1_000_000:06d}Z"
-    )
+# -- the heartbeat: the operator asks each rank's sidecar, over HTTP --------------------
 
 
 def rfc3339(ts: float) -> str:
@@ -139,18 +137,104 @@ def rfc3339(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
-def heartbeat_patch(renew: float, last_checkpoint: str | None = None) -> dict[str, Any]:
-    """One beat: the Lease's renewTime, and rank 0's last-checkpoint report when it is to
-    be sent (``LastCheckpoint.encode()``)."""
-    body: dict[str, Any] = {"spec": {"renewTime": micro_time(renew)}}
-    if last_checkpoint is not None:
-        body["metadata"] = {"annotations": {ANNOTATION_LAST_CHECKPOINT: last_checkpoint}}
-    return body
+HEARTBEAT_PATH = "/v1/heartbeat"
+"""On the sidecar's metrics port: the operator POSTs a ``HeartbeatAsk`` every period, with
+``Authorization: Bearer <the job's token>``; the sidecar answers a ``HeartbeatReply``. No
+API write per beat, no Kubernetes credentials in the pod: a rank that does not answer
+within the job's heartbeat timeout is lost."""
+HEARTBEAT_MAX_BODY = 4096
+"""Bytes either side reads of a heartbeat message, at most (a larger one is refused)."""
 
 
-def checkpoint_request_patch(request_id: str) -> dict[str, Any]:
-    """The operator's merge patch of a rank's Lease that asks for a checkpoint."""
-    return {"metadata": {"annotations": {ANNOTATION_CHECKPOINT_REQUEST: request_id}}}
+def _message(raw: bytes, what: str) -> dict[str, Any]:
+    if len(raw) > HEARTBEAT_MAX_BODY:
+        raise ValueError(f"{what}: {len(raw)} bytes, over {HEARTBEAT_MAX_BODY}")
+    try:
+        found = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{what}: not JSON ({exc})") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"{what}: not a JSON object")
+    return found
+
+
+def _count(value: Any) -> TypeGuard[int]:
+    """A non-negative integer (JSON's true is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _optional_str(found: Mapping[str, Any], key: str, what: str) -> str | None:
+    value = found.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{what}: {key} is not a string")
+    return value or None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeartbeatAsk:
+    """What the operator says with each beat: the job's attempt as its status has it,
+    whether the pod's attempt is over (the sidecar stops waiting for other ranks' parts:
+    they are being torn down), and the checkpoint request, if any (an opaque id: a new one
+    asks the trainer to save at its next step boundary and stop, docs/operator.md)."""
+
+    attempt: int
+    ended: bool = False
+    checkpoint_request: str | None = None
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {"attempt": self.attempt, "ended": self.ended, "request": self.checkpoint_request},
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> HeartbeatAsk:
+        """Raises ValueError for anything malformed (the bytes come off the network)."""
+        found = _message(raw, "heartbeat")
+        attempt, ended = found.get("attempt"), found.get("ended", False)
+        if not _count(attempt):
+            raise ValueError("heartbeat: attempt is not a non-negative integer")
+        if not isinstance(ended, bool):
+            raise ValueError("heartbeat: ended is not a boolean")
+        return cls(attempt, ended, _optional_str(found, "request", "heartbeat"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeartbeatReply:
+    """The sidecar's answer: which attempt and node rank it serves (a reply from a pod of
+    another attempt, e.g. an IP reused, is not a beat), the checkpoint request it has
+    taken, and, from node rank 0, the last committed checkpoint (``LastCheckpoint``).
+    ``node_rank`` None: the sidecar is not told its rank (a PyTorchJob's Worker template,
+    stamped out by the Kubeflow controller)."""
+
+    attempt: int
+    node_rank: int | None
+    request_seen: str | None = None
+    last_checkpoint: str | None = None
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "attempt": self.attempt,
+                "nodeRank": self.node_rank,
+                "requestSeen": self.request_seen,
+                "lastCheckpoint": self.last_checkpoint,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> HeartbeatReply:
+        found = _message(raw, "heartbeat reply")
+        attempt, rank = found.get("attempt"), found.get("nodeRank")
+        if not (_count(attempt) and (rank is None or _count(rank))):
+            raise ValueError("heartbeat reply: attempt or nodeRank is not a non-negative integer")
+        return cls(
+            attempt,
+            rank,
+            _optional_str(found, "requestSeen", "heartbeat reply"),
+            _optional_str(found, "lastCheckpoint", "heartbeat reply"),
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -187,8 +271,3 @@ class LastCheckpoint:
 
     def as_status(self) -> dict[str, Any]:
         return {"step": self.step, "time": self.time, "bytes": self.bytes}
-
-
-def annotations_of(obj: Mapping[str, Any]) -> dict[str, str]:
-    metadata = obj.get("metadata") or {}
-    return dict(metadata.get("annotations") or {})

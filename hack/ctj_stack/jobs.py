@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -46,6 +47,17 @@ def install_crd(cluster: Cluster) -> None:
     cluster.wait_crd_established(f"{PLURAL}.{GROUP}")
 
 
+def job_key_file(cluster: Cluster) -> Path:
+    """The cluster's key every job's token is derived from (the chart's Secret on a real
+    cluster): one per cluster, so an operator restarted, or a second replica, derives the
+    same tokens as the first."""
+    path = Path(cluster.config.root) / "ctj-job-key"
+    if not path.exists():
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+    return path
+
+
 class OperatorProcess:
     """`python -m ctj_operator` against the cluster, its log in a file."""
 
@@ -63,7 +75,9 @@ class OperatorProcess:
         self.cluster, self.log = cluster, log
         self.kubeconfig = kubeconfig or cluster.kubeconfig
         self.lease = lease or f"ctj-operator-{uuid.uuid4().hex[:8]}"
-        self.extra_args = ("--leader-election-name", self.lease, *extra_args)
+        key = job_key_file(cluster)
+        self.extra_args = ("--leader-election-name", self.lease, "--job-key-file", str(key),
+                           *extra_args)  # fmt: skip
         self.metrics_port = self.liveness_port = 0
         self.proc: Any = None
 

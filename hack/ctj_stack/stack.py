@@ -26,9 +26,15 @@ from .harness import Harness
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ctj"
 EXAMPLE_JOB = ROOT / "examples" / "job.yaml"
+# The job namespace's Pod Security labels: enforce rejects, warn and audit say why
+POD_SECURITY_RESTRICTED = {
+    f"pod-security.kubernetes.io/{mode}": "restricted" for mode in ("enforce", "warn", "audit")
+}
 SEAWEEDFS_MANIFEST = ROOT / "deploy" / "seaweedfs" / "seaweedfs.yaml"
 KUBEFLOW_MANIFEST = ROOT / "deploy" / "kubeflow" / "training-operator.yaml"
 S3_NAMESPACE = "seaweedfs"
+S3_SERVER = "seaweedfs"  # its StatefulSet; the pod is seaweedfs-0
+DEFAULT_CLASS_ANNOTATION = "storageclass.kubernetes.io/is-default-class"
 KUBEFLOW_NAMESPACE = "kubeflow"
 KUBEFLOW_WEBHOOK = "validator.training-operator.kubeflow.org"
 OPERATOR_NAMESPACE = "ctj-system"
@@ -215,12 +221,14 @@ class Stack(Harness):
 
     def install_s3(self, credentials: S3Credentials) -> None:
         """deploy/seaweedfs with our image and a Secret of the given keys; waits until the
-        gateway can be reached."""
+        gateway can be reached. Its data is a PersistentVolumeClaim of the cluster's default
+        StorageClass, kept when the pod goes."""
         self.log(f"S3 server: deploy/seaweedfs/seaweedfs.yaml ({self.images.seaweedfs})")
+        self._check_default_storage_class()
         objects = [o for o in yaml.safe_load_all(SEAWEEDFS_MANIFEST.read_text()) if o]
         identities = credentials.identities_json()
         for obj in objects:
-            if obj["kind"] == "Deployment":
+            if obj["kind"] == "StatefulSet":
                 template = obj["spec"]["template"]
                 for c in template["spec"]["containers"]:
                     c["image"] = self.images.seaweedfs
@@ -233,9 +241,33 @@ class Stack(Harness):
         self.apply([namespace])
         self.apply([self._secret(S3_NAMESPACE, "seaweedfs-s3-identities",
                                  {"s3.json": identities})])  # fmt: skip
+        # the Deployment of earlier versions (an emptyDir) would share the Service's pods
+        self.kubectl("-n", S3_NAMESPACE, "delete", "deployment", S3_SERVER, "--ignore-not-found",
+                     "--wait=true")  # fmt: skip
         self.apply([o for o in objects if o["kind"] != "Namespace"])
-        self.kubectl("-n", S3_NAMESPACE, "rollout", "status", "deployment/seaweedfs",
+        self.kubectl("-n", S3_NAMESPACE, "rollout", "status", f"statefulset/{S3_SERVER}",
                      "--timeout=180s")  # fmt: skip
+
+    def _check_default_storage_class(self) -> None:
+        """The S3 server's volume must come back with its pod: a kind cluster made before
+        hack/kind/storage.yaml's local-path provisioner has the controller-manager's
+        host-path one (no node affinity, not writable by a non-root server)."""
+        classes = client.StorageV1Api(self.api_client).list_storage_class().items
+        default = [
+            c for c in classes
+            if (c.metadata.annotations or {}).get(DEFAULT_CLASS_ANNOTATION) == "true"
+        ]  # fmt: skip
+        if not default:
+            raise RuntimeError(
+                "the cluster has no default StorageClass: deploy/seaweedfs's volume claim "
+                "would never bind (mark one with storageclass.kubernetes.io/is-default-class)"
+            )
+        if any(c.provisioner == "kubernetes.io/host-path" for c in default):
+            raise RuntimeError(
+                "the default StorageClass is the host-path provisioner's (a kind cluster made "
+                "before hack/kind/storage.yaml): recreate it with "
+                "'hack/kind/cluster.sh down && hack/kind/cluster.sh up'"
+            )
 
     def install_kubeflow(self, control_plane: bool = False) -> None:
         """Kubeflow's PyTorchJob controller as deploy/kubeflow lays it out, with our image
@@ -285,8 +317,12 @@ class Stack(Harness):
         }
 
     def job_namespace(self, namespace: str, credentials: S3Credentials) -> None:
-        """A namespace for jobs, with the example's ``s3-credentials`` Secret."""
-        self.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}])
+        """A namespace for jobs, with the example's ``s3-credentials`` Secret, that enforces
+        the `restricted` Pod Security Standard as a platform team's would: the API server
+        rejects any pod of ours (sidecar, init steps) or of the example that breaks it."""
+        self.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {
+            "name": namespace, "labels": POD_SECURITY_RESTRICTED,
+        }}])  # fmt: skip
         self.apply([self._secret(namespace, "s3-credentials", {
             "AWS_ACCESS_KEY_ID": credentials.access_key,
             "AWS_SECRET_ACCESS_KEY": credentials.secret_key,

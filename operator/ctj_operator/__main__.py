@@ -15,19 +15,22 @@ import asyncio
 import http.server
 import logging
 import os
+import secrets
 import sys
 import threading
 from typing import Any
 
 import kopf
-from ctj_contract import GROUP
+from ctj_contract import GROUP, NODE_AGENT_PORT
+from ctj_contract.tokens import read_key
 from kubernetes import client, config
 
-from . import handlers
+from . import handlers, heartbeats
 from .apply import Api
 from .builders import DEFAULT_SIDECAR_IMAGE
+from .heartbeats import HeartbeatChannel
+from .kubelet_leases import KubeletLeaseWatch, WatchConfig
 from .leader import ElectionConfig, LeaderElection
-from .quantities import parse_quantity
 from .runtime import Operator, OperatorConfig
 from .spec import NodeCache, SpecError
 
@@ -45,19 +48,31 @@ def _api_client(kubeconfig: str | None) -> client.ApiClient:
 
 
 def _node_cache(parser: argparse.ArgumentParser, args: argparse.Namespace) -> NodeCache | None:
-    if not args.node_cache_path:
+    """The node tier, where the chart installed its node agents (--node-agent-port)."""
+    port = args.node_agent_port
+    if port is None and args.node_cache_path:  # the flag of the hostPath cache (before 0.2)
+        logging.getLogger("ctj").warning(
+            "--node-cache-path / CTJ_NODE_CACHE_PATH is deprecated: the node agent holds the "
+            "cache now; taking it as --node-agent-port %d", NODE_AGENT_PORT
+        )
+        port = NODE_AGENT_PORT
+    if port is None:
         return None
     try:
-        return NodeCache(args.node_cache_path, int(parse_quantity(args.node_cache_size)))
+        return NodeCache(int(port))
     except (ValueError, SpecError) as exc:
-        parser.error(f"--node-cache-path/--node-cache-size: {exc}")
+        parser.error(f"--node-agent-port: {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ctj-operator")
     parser.add_argument("--kubeconfig", help="default: in-cluster, then ~/.kube/config")
     parser.add_argument(
-        "--namespace", action="append", help="watch only these namespaces (default: all)"
+        "--namespace",
+        action="append",
+        help="watch only this namespace; repeat for more (default: CTJ_WATCH_NAMESPACES, "
+        "comma-separated, else all). The chart's watchNamespaces gives one flag each, with "
+        "Roles in just those namespaces",
     )
     parser.add_argument("--metrics-port", type=int, default=8080)
     parser.add_argument(
@@ -67,16 +82,17 @@ def main(argv: list[str] | None = None) -> int:
         f"else {DEFAULT_SIDECAR_IMAGE}: the Dockerfile's sidecar target)",
     )
     parser.add_argument(
-        "--node-cache-path",
-        default=os.environ.get("CTJ_NODE_CACHE_PATH") or None,
-        help="hostPath root of the node-local chunk cache (a directory per job under it); "
-        "unset: no node cache (default: CTJ_NODE_CACHE_PATH)",
+        "--node-agent-port",
+        default=os.environ.get("CTJ_NODE_AGENT_PORT") or None,
+        help="the node tier is installed: its node agents listen on every node's address at "
+        "this port (the chart's DaemonSet, 9403); unset: no node cache (CTJ_NODE_AGENT_PORT)",
     )
     parser.add_argument(
-        "--node-cache-size",
-        default=os.environ.get("CTJ_NODE_CACHE_SIZE") or "20Gi",
-        help="each job's node cache bound per node (default: CTJ_NODE_CACHE_SIZE, else 20Gi)",
+        "--node-cache-path",
+        default=os.environ.get("CTJ_NODE_CACHE_PATH") or None,
+        help=argparse.SUPPRESS,  # deprecated: the hostPath cache's; means the default port
     )
+    parser.add_argument("--node-cache-size", help=argparse.SUPPRESS)  # deprecated, ignored
     parser.add_argument("--watch-timeout", type=float, default=60.0)
     parser.add_argument("--liveness-port", type=int, default=8081)
     parser.add_argument(
@@ -99,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     config = OperatorConfig(
         sidecar_image=args.sidecar_image or DEFAULT_SIDECAR_IMAGE,
         node_cache=_node_cache(parser, args),
+        job_key=_job_key(parser, args.job_key_file),
     )
     op = Operator(api=Api.connect(api), config=config)
+    op.channel = HeartbeatChannel(config.job_key, op.marks.beats)
     from prometheus_client import start_http_server
 
     start_http_server(args.metrics_port, registry=op.metrics.registry)  # a standby's too
@@ -142,6 +160,17 @@ def main(argv: list[str] | None = None) -> int:
         def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
             return kopf.login_with_kubeconfig(**kwargs)  # reads KUBECONFIG when called
 
+    channel, tasks = op.channel, []
+
+    @kopf.on.startup()
+    async def ask_heartbeats(**_: Any) -> None:
+        tasks.append(await heartbeats.start(channel, op.leads))
+
+    @kopf.on.cleanup()
+    async def stop_heartbeats(**_: Any) -> None:
+        for task in tasks:
+            await heartbeats.stop(task)
+
     if op.leader is not None:
         stop_leader = op.leader.release
 
@@ -149,7 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         def release(**_: Any) -> None:
             stop_leader()
 
-    namespaces = args.namespace or []
+    namespaces = args.namespace or watch_namespaces(os.environ.get("CTJ_WATCH_NAMESPACES", ""))
+    # kubelet Leases by a watch of kube-node-lease alone, in either mode (kubelet_leases.py)
+    kubelets = KubeletLeaseWatch(
+        client.CoordinationV1Api(api),
+        op.marks.kubelets,
+        WatchConfig(timeout_s=max(1, int(args.watch_timeout))),
+    )
+    kubelets.start()
+    kubelets.listed.wait(timeout=10)  # as kopf's indexes: the first reconcile sees them
     asyncio.run(
         kopf.operator(
             clusterwide=not namespaces,
@@ -160,6 +197,23 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     return 0
+
+
+def _job_key(parser: argparse.ArgumentParser, path: str | None) -> bytes:
+    if path is None:
+        logging.getLogger("ctj.operator").warning(
+            "no --job-key-file: jobs' tokens are derived from a random key of this process"
+        )
+        return secrets.token_bytes(32)
+    try:
+        return read_key(path)
+    except ValueError as exc:
+        parser.error(f"--job-key-file: {exc}")
+
+
+def watch_namespaces(value: str) -> list[str]:
+    """CTJ_WATCH_NAMESPACES: "team-a, team-b" -> ["team-a", "team-b"]; "" -> [] (all)."""
+    return [ns.strip() for ns in value.split(",") if ns.strip()]
 
 
 def _has_pytorchjobs(api: client.ApiClient) -> bool:

@@ -38,9 +38,7 @@ class _Objects(Protocol):
 
     def create(self, namespace: str, body: Mapping[str, Any]) -> Any: ...
     def read(self, namespace: str, name: str) -> Any: ...
-    def patch(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any: ...
     def delete(self, namespace: str, name: str, grace_seconds: int | None) -> Any: ...
-    def delete_collection(self, namespace: str, selector: str) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,17 +57,9 @@ class _Typed:
     def read(self, namespace: str, name: str) -> Any:
         return self._method("read")(name, namespace)
 
-    def patch(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any:
-        return self._method("patch")(name, namespace, body)
-
     def delete(self, namespace: str, name: str, grace_seconds: int | None) -> Any:
         extra = {} if grace_seconds is None else {"grace_period_seconds": grace_seconds}
         return self._method("delete")(name, namespace, **extra)
-
-    def delete_collection(self, namespace: str, selector: str) -> Any:
-        return getattr(self.api, f"delete_collection_namespaced_{self.suffix}")(
-            namespace, label_selector=selector
-        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -89,11 +79,6 @@ class _Custom:
     def read(self, namespace: str, name: str) -> Any:
         return self.api.get_namespaced_custom_object(
             self.group, self.version, namespace, self.plural, name
-        )
-
-    def patch(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any:
-        return self.api.patch_namespaced_custom_object(
-            self.group, self.version, namespace, self.plural, name, body
         )
 
     def patch_status(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any:
@@ -116,11 +101,6 @@ class _Custom:
             self.group, self.version, namespace, self.plural, name
         )
 
-    def delete_collection(self, namespace: str, selector: str) -> Any:
-        return self.api.delete_collection_namespaced_custom_object(
-            self.group, self.version, namespace, self.plural, label_selector=selector
-        )
-
 
 class _Jobs(Protocol):
     """The CheckpointedTrainingJobs themselves: their status, and deleting one (its TTL)."""
@@ -140,15 +120,11 @@ class Api:
     def connect(cls, api_client: client.ApiClient) -> Api:
         core = client.CoreV1Api(api_client)
         custom = client.CustomObjectsApi(api_client)
-        rbac = client.RbacAuthorizationV1Api(api_client)
         jobs = _Custom(custom, GROUP, VERSION, PLURAL)
         kinds: dict[Kind, _Objects] = {
             Kind.POD: _Typed(core, "pod"),
             Kind.SERVICE: _Typed(core, "service"),
             Kind.SECRET: _Typed(core, "secret"),
-            Kind.LEASE: _Typed(client.CoordinationV1Api(api_client), "lease"),
-            Kind.ROLE: _Typed(rbac, "role"),
-            Kind.ROLE_BINDING: _Typed(rbac, "role_binding"),
             Kind.PYTORCHJOB: _Custom(custom, "kubeflow.org", "v1", "pytorchjobs"),
             Kind.JOB: jobs,
         }
@@ -232,29 +208,23 @@ def _send(call: Call, api: Api, rv: str) -> str:
         kopf.event(
             event["object"], type=event["type"], reason=event["reason"], message=event["message"]
         )
-    elif call.verb in (Verb.CREATE, Verb.CREATE_OR_PATCH):
+    elif call.verb == Verb.CREATE:
         _create(objects, call)
-    elif call.verb == Verb.PATCH:
-        _missing_ok(lambda: objects.patch(ns, name, call.body))
     elif call.verb == Verb.DELETE:
         _missing_ok(lambda: objects.delete(ns, name, call.grace_seconds))
-    elif call.verb == Verb.DELETE_COLLECTION:
-        objects.delete_collection(ns, call.selector)
     return rv
 
 
 def _create(objects: _Objects, call: Call) -> None:
-    """Create; already there (409: a retry after a restart) is success, or, for
-    CREATE_OR_PATCH, is patched to the body. Admission such as a ResourceQuota runs before
-    the API server finds the name taken, so re-creating an object that exists can be a
-    403 'exceeded quota' rather than a 409: a refusal is settled by reading it."""
+    """Create; already there (409: a retry after a restart) is success. Admission such as
+    a ResourceQuota runs before the API server finds the name taken, so re-creating an
+    object that exists can be a 403 'exceeded quota' rather than a 409: a refusal is
+    settled by reading it."""
     name = call.body["metadata"]["name"]
     try:
         objects.create(call.namespace, call.body)
     except ApiException as exc:
         if exc.status == 409:
-            if call.verb == Verb.CREATE_OR_PATCH:
-                objects.patch(call.namespace, name, call.body)
             return
         if exc.status in (400, 403, 422):
             try:

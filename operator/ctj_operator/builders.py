@@ -31,8 +31,7 @@ MASTER_PORT = 29500
 METRICS_PORT = 9400
 SIDECAR_STARTUP_WAIT_S = 25  # one startup probe's wait for /readyz (it exits when ready)
 STAGING_PATH = "/ctj/staging"
-CACHE_PATH = "/ctj/cache"
-CACHE_PORT = 9402  # each sidecar serves its node's chunk cache to the job's peers here
+CACHE_PORT = 9402  # each sidecar tells the job's peers where its node's agent is, here
 # The Dockerfile's `sidecar` target (no torch), as the chart names it; the chart and
 # --sidecar-image / CTJ_SIDECAR_IMAGE set the operator's, a job's sidecarImage its own.
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/ctj/sidecar:0.1.0"
@@ -46,11 +45,19 @@ DEFAULT_SIDECAR_RESOURCES = {
     "requests": {"cpu": "1", "memory": "1Gi"},
     "limits": {"cpu": "1", "memory": "1Gi"},
 }
-CACHE_STEP_NAME = "ctj-cache-permissions"
-CACHE_STEP_RESOURCES = {
-    "requests": {"cpu": "50m", "memory": "32Mi"},
-    "limits": {"cpu": "50m", "memory": "32Mi"},
+# The restricted Pod Security Standard, and a read-only root: the sidecar writes only to
+# its volumes (staging, its own /tmp). No runAsUser: the image's numeric USER (65532 in
+# the Dockerfile) stays the one that reads the trainer's staged files, as before;
+# runAsNonRoot makes the kubelet refuse an image that would run as root.
+SIDECAR_SECURITY_CONTEXT = {
+    "runAsNonRoot": True,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
 }
+SIDECAR_TMP_VOLUME = "ctj-sidecar-tmp"
+SIDECAR_TMP_SIZE = "64Mi"  # for libraries that want a temp dir; staging has its own volume
 # what the Kubeflow controller labels its pods with (rank = 0 for the master, index + 1 else)
 KF_REPLICA_TYPE = "training.kubeflow.org/replica-type"
 KF_REPLICA_INDEX = "training.kubeflow.org/replica-index"
@@ -169,25 +176,21 @@ def build_cache_secret(body: dict[str, Any], token: str) -> dict[str, Any]:
 def _node_cache(
     pod_spec: dict[str, Any], spec: JobSpec, body: dict[str, Any], peers: list[str]
 ) -> None:
-    """The node-local chunk cache (a hostPath per job) in the trainer and the sidecar, and
-    the sidecar serving it to ``peers`` (host:port of every rank's pod, this one's included:
-    a process leaves out its own hostname)."""
+    """The node tier in the trainer and the sidecar: the node agent's address (the node's
+    own, from the downward API: the agent's hostPort is there), the job's identity (its
+    path on the agents) and token, and ``peers`` (host:port of every rank's sidecar, this
+    one's included: a process leaves out its own hostname), which tell a restoring rank
+    where their nodes' agents are. No hostPath, no root step: the agent owns the disk."""
     cache = spec.checkpoint.node_cache
     if cache is None:
         return
     meta = body["metadata"]
-    pod_spec.setdefault("volumes", []).append(
-        {
-            "name": "ctj-cache",
-            "hostPath": {
-                "path": f"{cache.root.rstrip('/')}/{meta['namespace']}/{meta['name']}",
-                "type": "DirectoryOrCreate",
-            },
-        }
-    )
     env: list[dict[str, Any]] = [
-        {"name": Env.CACHE_DIR, "value": CACHE_PATH},
-        {"name": Env.CACHE_MAX_BYTES, "value": str(cache.size_bytes)},
+        {"name": Env.NODE_AGENT_HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+        {"name": Env.NODE_AGENT_PORT, "value": str(cache.port)},
+        {"name": Env.JOB_NAMESPACE, "value": meta["namespace"]},
+        {"name": Env.JOB_NAME, "value": meta["name"]},
+        {"name": Env.JOB_UID, "value": meta["uid"]},
         {"name": Env.CACHE_PEERS, "value": ",".join(peers)},
         {
             "name": Env.CACHE_TOKEN,
@@ -199,30 +202,8 @@ def _node_cache(
     sidecar = pod_spec["initContainers"][-1]
     for container in (pod_spec["containers"][0], sidecar):
         _merge_env(container, env)
-        container.setdefault("volumeMounts", []).append(
-            {"name": "ctj-cache", "mountPath": CACHE_PATH}
-        )
     sidecar["env"].append({"name": Env.CACHE_PORT, "value": str(CACHE_PORT)})
     sidecar["ports"].append({"name": "peer-cache", "containerPort": CACHE_PORT})
-    # A kubelet makes a hostPath directory root's, mode 0755: our non-root containers could
-    # not write it, and the cache would turn itself off. One root step with no capability
-    # (the owner may chmod) opens it like /tmp; only this job's pods mount it.
-    pod_spec["initContainers"].insert(
-        0,
-        {
-            "name": CACHE_STEP_NAME,
-            "image": sidecar["image"],
-            "command": ["chmod", "1777", CACHE_PATH],
-            "securityContext": {
-                "runAsUser": 0,
-                "runAsNonRoot": False,
-                "allowPrivilegeEscalation": False,
-                "capabilities": {"drop": ["ALL"]},
-            },
-            "resources": copy.deepcopy(CACHE_STEP_RESOURCES),
-            "volumeMounts": [{"name": "ctj-cache", "mountPath": CACHE_PATH}],
-        },
-    )
 
 
 def _merge_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
@@ -231,17 +212,20 @@ def _merge_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
     container["env"] = [e for e in container.get("env") or [] if e["name"] not in ours] + env
 
 
-def _heartbeat_env(spec: JobSpec, node_rank: int | None) -> list[dict[str, Any]]:
-    """The sidecar renews the Lease named like its pod (see build_leases). ``node_rank``
-    None: a Worker template the Kubeflow controller stamps out, whose sidecar only needs
-    to know it is not rank 0."""
+def _heartbeat_env(
+    body: dict[str, Any], attempt: int, node_rank: int | None
+) -> list[dict[str, Any]]:
+    """What the sidecar answers the operator's heartbeat with (trainer_sidecar/heartbeat.py):
+    the job's token, from its Secret (an ask without it is refused), its attempt and its
+    node rank. ``node_rank`` None: a Worker template the Kubeflow controller stamps out,
+    whose sidecar only needs to know it is not rank 0."""
+    job = body["metadata"]["name"]
     env: list[dict[str, Any]] = [
-        {"name": Env.HEARTBEAT_LEASE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {
-            "name": Env.POD_NAMESPACE,
-            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+            "name": Env.CACHE_TOKEN,
+            "valueFrom": {"secretKeyRef": {"name": cache_secret_name(job), "key": CACHE_TOKEN_KEY}},
         },
-        {"name": Env.HEARTBEAT_PERIOD_S, "value": f"{spec.detection.heartbeat_period_seconds:g}"},
+        {"name": Env.ATTEMPT, "value": str(attempt)},
     ]
     if node_rank is not None:
         env.append({"name": Env.NODE_RANK, "value": str(node_rank)})
@@ -264,7 +248,10 @@ def _sidecar(spec: JobSpec, uri: str) -> dict[str, Any]:
         "env": _storage_env(spec, uri)
         + [{"name": Env.METRICS_HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
-        "volumeMounts": [{"name": "ctj-staging", "mountPath": STAGING_PATH}],
+        "volumeMounts": [
+            {"name": "ctj-staging", "mountPath": STAGING_PATH},
+            {"name": SIDECAR_TMP_VOLUME, "mountPath": "/tmp"},
+        ],
         # Without a startup probe the first readiness probes hit a sidecar still importing
         # (refused) or not yet through to the store (503): an Unhealthy Warning on every
         # healthy start. The startup probe waits inside the container, in one exec, for
@@ -289,7 +276,7 @@ def _sidecar(spec: JobSpec, uri: str) -> dict[str, Any]:
             "failureThreshold": 20,
         },
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": METRICS_PORT}},
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "securityContext": copy.deepcopy(SIDECAR_SECURITY_CONTEXT),
     }
     sidecar["resources"] = copy.deepcopy(
         spec.checkpoint.sidecar_resources or DEFAULT_SIDECAR_RESOURCES
@@ -314,11 +301,14 @@ def _trainer_pod_spec(spec: JobSpec, uri: str, extra_env: list[dict[str, Any]]) 
     # no termination message), and the operator quotes that in the job's conditions
     trainer.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
     pod_spec["initContainers"] = list(pod_spec.get("initContainers") or []) + [_sidecar(spec, uri)]
-    pod_spec.setdefault("volumes", []).append(
-        {
-            "name": "ctj-staging",
-            "emptyDir": {"medium": "Memory", "sizeLimit": spec.checkpoint.staging_size_limit},
-        }
+    pod_spec.setdefault("volumes", []).extend(
+        [
+            {
+                "name": "ctj-staging",
+                "emptyDir": {"medium": "Memory", "sizeLimit": spec.checkpoint.staging_size_limit},
+            },
+            {"name": SIDECAR_TMP_VOLUME, "emptyDir": {"sizeLimit": SIDECAR_TMP_SIZE}},
+        ]
     )
     pod_spec["restartPolicy"] = "Never"  # the gang restarts as a whole, at a new world size
     return pod_spec
@@ -330,7 +320,7 @@ SCHEDULING_FIELDS = ("nodeName", "nodeSelector", "affinity", "tolerations", "res
 def rank_footprint(spec: JobSpec) -> dict[str, Any]:
     """What the scheduler weighs of one rank's pod, from the spec alone: the template's
     placement fields and the requests of every container the pod will run, ours included
-    (the sidecar, and the cache step where the node cache is on), in the pod's order.
+    (the sidecar), in the pod's order.
     capacity.py fits it to nodes; test_operator_builders ties it to ``build_pod``."""
     template = spec.template.get("spec") or {}
     footprint = {k: copy.deepcopy(template[k]) for k in SCHEDULING_FIELDS if k in template}
@@ -341,8 +331,6 @@ def rank_footprint(spec: JobSpec) -> dict[str, Any]:
 
     init = [requests(c) for c in template.get("initContainers") or []]
     init.append(requests(_sidecar(spec, uri="")))
-    if spec.checkpoint.node_cache is not None:
-        init.insert(0, {"resources": copy.deepcopy(CACHE_STEP_RESOURCES)})
     footprint["containers"] = [requests(c) for c in template.get("containers") or []]
     footprint["initContainers"] = init
     return footprint
@@ -409,7 +397,7 @@ def build_pod(
     peers = [f"{pod_name(job, attempt, r)}.{job}:{CACHE_PORT}" for r in range(world_size)]
     _node_cache(pod_spec, spec, body, peers)
     sidecar = pod_spec["initContainers"][-1]
-    sidecar["env"] += _heartbeat_env(spec, node_rank)
+    _merge_env(sidecar, _heartbeat_env(body, attempt, node_rank))
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = job
     _place(pod_spec, job, attempt, avoid)
@@ -433,94 +421,6 @@ def build_pod(
             "ownerReferences": [owner_reference(body)],
         },
         "spec": pod_spec,
-    }
-
-
-def heartbeat_labels(job: str, attempt: int, node_rank: int) -> dict[str, str]:
-    return {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt), LABEL_RANK: str(node_rank)}
-
-
-def build_leases(
-    body: dict[str, Any], spec: JobSpec, *, attempt: int, world_size: int
-) -> list[dict[str, Any]]:
-    """One heartbeat Lease per rank pod, named like the pod, made before it: its sidecar
-    only renews it (get, patch), so the Role can name exactly these objects."""
-    job = body["metadata"]["name"]
-    names = [rank_pod_name(spec, job, attempt, rank) for rank in range(world_size)]
-    return [
-        {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": {
-                "name": names[rank],
-                "labels": heartbeat_labels(job, attempt, rank),
-                "ownerReferences": [owner_reference(body)],
-            },
-            "spec": {
-                "holderIdentity": names[rank],
-                "leaseDurationSeconds": max(1, round(spec.detection.heartbeat_timeout_seconds)),
-            },
-        }
-        for rank in range(world_size)
-    ]
-
-
-def heartbeat_role_name(job: str) -> str:
-    return f"{job}-ctj-heartbeat"
-
-
-def service_account(spec: JobSpec) -> str:
-    pod_spec = spec.template.get("spec") or {}
-    return str(pod_spec.get("serviceAccountName") or pod_spec.get("serviceAccount") or "default")
-
-
-def build_heartbeat_role(
-    body: dict[str, Any], spec: JobSpec, *, attempt: int, world_size: int
-) -> dict[str, Any]:
-    """get and patch on this attempt's Leases, by name: a pod can renew its gang's Leases
-    and nothing else (no Secrets, no create, no other job's Leases)."""
-    job = body["metadata"]["name"]
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": {
-            "name": heartbeat_role_name(job),
-            "labels": {LABEL_JOB: job},
-            "ownerReferences": [owner_reference(body)],
-        },
-        "rules": [
-            {
-                "apiGroups": ["coordination.k8s.io"],
-                "resources": ["leases"],
-                "resourceNames": [rank_pod_name(spec, job, attempt, r) for r in range(world_size)],
-                "verbs": ["get", "patch"],
-            }
-        ],
-    }
-
-
-def build_heartbeat_binding(body: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
-    job = body["metadata"]["name"]
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": {
-            "name": heartbeat_role_name(job),
-            "labels": {LABEL_JOB: job},
-            "ownerReferences": [owner_reference(body)],
-        },
-        "roleRef": {
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "Role",
-            "name": heartbeat_role_name(job),
-        },
-        "subjects": [
-            {
-                "kind": "ServiceAccount",
-                "name": service_account(spec),
-                "namespace": body["metadata"]["namespace"],
-            }
-        ],
     }
 
 
@@ -561,7 +461,7 @@ def build_pytorchjob(
         if count < 1:
             continue
         kind_spec = copy.deepcopy(pod_spec)
-        kind_spec["initContainers"][-1]["env"] += _heartbeat_env(spec, rank)
+        _merge_env(kind_spec["initContainers"][-1], _heartbeat_env(body, attempt, rank))
         replicas[kind] = {
             "replicas": count,
             "restartPolicy": "Never",

@@ -1,7 +1,8 @@
 """kopf's handlers: the watches into indexes, and a 1 s timer per job that reconciles it.
 
-Pods, nodes and Leases reach the operator through kopf indexes (one watch per kind, for
-all jobs), so a job's reconcile (reconcile.py) reads memory. Every handler is a plain
+Pods and nodes reach the operator through kopf indexes (one watch per kind, for all
+jobs), so a job's reconcile (reconcile.py) reads memory; the pod watch also tells the
+heartbeat channel (heartbeats.py) where each rank runs. Every handler is a plain
 function of what kopf passes it; the operator's state is the ``Operator`` that
 ``__main__`` hands kopf as ``memo.operator`` (runtime.py).
 
@@ -21,7 +22,7 @@ from ctj_contract import GROUP, LABEL_ATTEMPT, LABEL_JOB, PLURAL, VERSION
 from . import capacity
 from .builders import pytorchjob_failure
 from .decisions import TERMINAL
-from .observe import Indexes, lease_summary, node_summary, pod_summary
+from .observe import Indexes, node_summary, pod_summary
 from .reconcile import reconcile
 from .runtime import Operator
 
@@ -39,7 +40,10 @@ async def ctj_pods(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, memo: kopf.Memo, **_: Any
 ) -> Any:
     summary = pod_summary(body)
-    _operator(memo).marks.phases.see((namespace, summary["name"]), summary["phase"])
+    op = _operator(memo)
+    op.marks.phases.see((namespace, summary["name"]), summary["phase"])
+    if op.channel is not None and namespace is not None:
+        op.channel.track(namespace, labels[LABEL_JOB], summary)
     return {(namespace, labels[LABEL_JOB]): summary}
 
 
@@ -58,25 +62,6 @@ async def node_usage(
 @kopf.index("nodes")
 async def cluster_nodes(name: str, body: kopf.Body, **_: Any) -> Any:
     return {name: node_summary(body)}
-
-
-@kopf.index("coordination.k8s.io", "v1", "leases", labels={LABEL_JOB: kopf.PRESENT})
-async def ctj_leases(
-    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, memo: kopf.Memo, **_: Any
-) -> Any:
-    summary = lease_summary(body)
-    _operator(memo).marks.beats.see((namespace, summary["name"]), summary["renew"])
-    return {(namespace, labels[LABEL_JOB]): summary}
-
-
-def _is_node_lease(namespace: str | None, **_: Any) -> bool:
-    return namespace == "kube-node-lease"
-
-
-@kopf.index("coordination.k8s.io", "v1", "leases", when=_is_node_lease)
-async def kubelet_leases(name: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> Any:
-    _operator(memo).marks.kubelets.see(name, spec.get("renewTime"))
-    return {name: spec.get("renewTime")}
 
 
 async def ctj_pytorchjobs(
@@ -103,21 +88,11 @@ async def pod_gone(
     event: kopf.RawEvent, namespace: str | None, name: str, memo: kopf.Memo, **_: Any
 ) -> None:
     if event["type"] == "DELETED":
-        _operator(memo).marks.phases.drop((namespace, name))
-
-
-@kopf.on.event("coordination.k8s.io", "v1", "leases", labels={LABEL_JOB: kopf.PRESENT})
-async def lease_gone(
-    event: kopf.RawEvent, namespace: str | None, name: str, memo: kopf.Memo, **_: Any
-) -> None:
-    if event["type"] == "DELETED":
-        _operator(memo).marks.beats.drop((namespace, name))
-
-
-@kopf.on.event("coordination.k8s.io", "v1", "leases", when=_is_node_lease)
-async def kubelet_gone(event: kopf.RawEvent, name: str, memo: kopf.Memo, **_: Any) -> None:
-    if event["type"] == "DELETED":
-        _operator(memo).marks.kubelets.drop(name)
+        op = _operator(memo)
+        op.marks.phases.drop((namespace, name))
+        op.marks.beats.drop((namespace, name))
+        if op.channel is not None and namespace is not None:
+            op.channel.untrack(namespace, name)
 
 
 # ---- the jobs ----
@@ -130,7 +105,6 @@ def reconcile_job(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
         pods=kwargs["ctj_pods"],
         usage=kwargs["node_usage"],
         nodes=kwargs["cluster_nodes"],
-        leases=kwargs["ctj_leases"],
         pytorchjobs=kwargs.get("ctj_pytorchjobs"),
     )
     reconcile(_operator(memo), body, indexes)
@@ -143,3 +117,5 @@ def forget(name: str, namespace: str | None, uid: str, memo: kopf.Memo, **_: Any
     op = _operator(memo)
     op.metrics.job_phase(namespace, name, None)
     op.forget(uid)
+    if op.channel is not None:
+        op.channel.forget_job((namespace, name))

@@ -2,9 +2,9 @@
 
 kopf keeps an index per watched kind (handlers.py registers them); each index entry is one
 of the small dicts made here, so the reconcile reads memory, not the API server
-(``observe`` builds one job's view from them, where a rank of it fits included). Heartbeat
-and kubelet Leases are judged by when *this process* saw them change (``Freshness``), never
-by comparing another machine's clock with ours.
+(``observe`` builds one job's view from them, where a rank of it fits included). Ranks'
+heartbeats (heartbeats.py) and kubelet Leases are judged by when *this process* saw them
+(``Freshness``), never by comparing another machine's clock with ours.
 """
 
 from __future__ import annotations
@@ -14,13 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
-from ctj_contract import (
-    ANNOTATION_LAST_CHECKPOINT,
-    LABEL_ATTEMPT,
-    LABEL_JOB,
-    LABEL_RANK,
-    LastCheckpoint,
-)
+from ctj_contract import LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK
 
 from . import capacity
 from .builders import (
@@ -91,6 +85,7 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         "rank": node_rank(labels),
         "phase": status.get("phase") or "Pending",
         "node": spec.get("nodeName"),
+        "ip": status.get("podIP"),
         "terminating": meta.get("deletionTimestamp") is not None,
         "reason": status.get("reason"),
         "waiting": waiting,
@@ -142,19 +137,6 @@ def node_view(summary: Mapping[str, Any], alive_at: float | None) -> NodeView:
     )
 
 
-def lease_summary(body: Mapping[str, Any]) -> dict[str, Any]:
-    """A rank's heartbeat Lease: its renewTime and what rank 0 reports."""
-    meta, spec = body["metadata"], body.get("spec") or {}
-    labels, notes = meta.get("labels") or {}, meta.get("annotations") or {}
-    return {
-        "name": meta["name"],
-        "attempt": int(labels.get(LABEL_ATTEMPT, "0")),
-        "rank": node_rank(labels),
-        "renew": spec.get("renewTime"),
-        "checkpoint": notes.get(ANNOTATION_LAST_CHECKPOINT),
-    }
-
-
 class Freshness:
     """When each watched value was last seen to change, by this process's clocks.
 
@@ -195,7 +177,7 @@ class Marks:
     """When this process saw each watched value change: what the indexes do not keep."""
 
     beats: Freshness = dataclasses.field(default_factory=Freshness)
-    """(namespace, Lease) -> a rank's heartbeat renewTime."""
+    """(namespace, pod) -> a rank's last heartbeat answer (heartbeats.py)."""
     kubelets: Freshness = dataclasses.field(default_factory=Freshness)
     """node -> its kubelet's Lease renewTime (kube-node-lease)."""
     phases: Freshness = dataclasses.field(default_factory=Freshness)
@@ -214,7 +196,6 @@ class Indexes:
     usage: Mapping[str, Iterable[tuple[JobKey | None, Mapping[str, int]]]]
     """node -> (the job of a pod bound there, or None; what the pod requests)."""
     nodes: Mapping[str, Iterable[dict[str, Any]]]  # node name -> node_summary
-    leases: Mapping[JobKey, Iterable[dict[str, Any]]]  # lease_summary of each rank's Lease
     pytorchjobs: Mapping[JobKey, Iterable[tuple[int, str]]] | None = None
     """(attempt, why the Kubeflow controller failed it) where the PyTorchJob CRD is watched."""
 
@@ -234,11 +215,12 @@ def observe(
     now: float,
     read_pytorchjob: ReadPyTorchJob,
     generation: int = 0,
+    last_checkpoint: Mapping[str, Any] | None = None,
 ) -> Observation:
     """One job's view of the cluster, from memory (and one GET for a PyTorchJob only
-    where its CRD appeared after start-up). ``generation``: the job's, as read."""
+    where its CRD appeared after start-up). ``generation``: the job's, as read;
+    ``last_checkpoint``: what its rank 0 last reported (heartbeats.py)."""
     namespace, name = key
-    leases = list(indexes.leases.get(key, ()))
     nodes = [n for found in indexes.nodes.values() for n in found]
     pods = [
         pod_view(s, marks.phases.silent_for((namespace, s["name"])))
@@ -256,11 +238,11 @@ def observe(
         pods=pods,
         nodes=nodes_seen,
         beats={
-            s["rank"]: marks.beats.silent_for((namespace, s["name"]))
-            for s in leases
-            if s["attempt"] == state.attempt
+            p.node_rank: marks.beats.silent_for((namespace, p.name))
+            for p in pods
+            if p.attempt == state.attempt
         },
-        last_checkpoint=last_checkpoint(leases),
+        last_checkpoint=last_checkpoint,
         uri=uri,
         now=now,
         controller_failure=failure,
@@ -288,18 +270,6 @@ def _used_by_others(indexes: Indexes, key: JobKey) -> dict[str, dict[str, int]]:
                 for resource, amount in requests.items():
                     on_node[resource] = on_node.get(resource, 0) + amount
     return used
-
-
-def last_checkpoint(leases: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """The newest checkpoint rank 0's sidecar reported, over the attempts still leased."""
-    best: LastCheckpoint | None = None
-    for lease in leases:
-        if lease["rank"] != 0:
-            continue
-        found = LastCheckpoint.decode(lease["checkpoint"])
-        if found is not None and (best is None or found.step > best.step):
-            best = found
-    return None if best is None else best.as_status()
 
 
 def _pytorchjob_failure(

@@ -15,14 +15,17 @@ operator killed at any moment converges on restart.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from ctj_contract import Phase
+from ctj_contract.tokens import job_token
+
 from .apply import Outcome, apply
 from .decisions import (
     CreateAttempt,
+    JobState,
     Observation,
     Plan,
     decide,
@@ -30,6 +33,7 @@ from .decisions import (
     job_state,
     pod_rejected,
 )
+from .heartbeats import JobAsk
 from .observe import Indexes, observe
 from .render import Target, render_plan
 from .runtime import Operator
@@ -74,10 +78,14 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
             now=time.time(),
             read_pytorchjob=op.api.read_pytorchjob,
             generation=generation,
+            last_checkpoint=op.channel.last_checkpoint((namespace, name)) if op.channel else None,
         )
         plan = decide(obs)
         _log_fits(op, uid, namespace, name, obs)
-        target = Target(body=body, spec=spec, uri=uri, cache_token=secrets.token_hex(32))
+        token = job_token(op.config.job_key, namespace, name, uid)
+        target = Target(body=body, spec=spec, uri=uri, cache_token=token)
+        if op.channel is not None:
+            op.channel.want((namespace, name), _heartbeat_ask(uid, spec, state))
     _log_plan(namespace, name, state.attempt, plan)
     outcome = _send(op, plan, target, rv)
     if outcome.refused and obs is not None:  # the attempt fails with the API's reason
@@ -91,6 +99,20 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
         log.info("%s/%s: namespace terminating, nothing started", namespace, name)
     if outcome.stale:
         log.info("%s/%s: the job changed since it was read; deciding again", namespace, name)
+
+
+def _heartbeat_ask(uid: str, spec: JobSpec, state: JobState) -> JobAsk:
+    """What the heartbeat channel says to the job's ranks, from its status alone (an
+    operator that restarts says the same): the attempt, whether it is over, and the
+    checkpoint request of a planned transition."""
+    over = state.phase in (Phase.RESTARTING, Phase.SUCCEEDED, Phase.FAILED)
+    return JobAsk(
+        uid=uid,
+        attempt=state.attempt,
+        ended=over,
+        request=state.transition.request_id if state.transition else None,
+        period_s=spec.detection.heartbeat_period_seconds,
+    )
 
 
 def _send(op: Operator, plan: Plan, target: Target, rv: str) -> Outcome:

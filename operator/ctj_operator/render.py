@@ -14,7 +14,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from ctj_contract import GROUP, KIND, LABEL_ATTEMPT, LABEL_JOB, VERSION, checkpoint_request_patch
+from ctj_contract import GROUP, KIND, VERSION
 
 from . import builders
 from .decisions import (
@@ -37,11 +37,8 @@ POD_GRACE_SECONDS = 30
 
 class Verb(enum.StrEnum):
     CREATE = "create"  # already there (409) is success
-    CREATE_OR_PATCH = "create-or-patch"  # already there: merge-patched to this body
-    PATCH = "patch"  # a merge patch; an object already gone (404) is skipped
     PATCH_STATUS = "patch-status"  # the job's .status, conditional on the version read
     DELETE = "delete"  # already gone (404) is success; the job itself: only if unchanged
-    DELETE_COLLECTION = "delete-collection"  # by label selector
     EVENT = "event"  # a Kubernetes Event about the job
 
 
@@ -49,9 +46,6 @@ class Kind(enum.StrEnum):
     POD = "Pod"
     SERVICE = "Service"
     SECRET = "Secret"
-    LEASE = "Lease"
-    ROLE = "Role"
-    ROLE_BINDING = "RoleBinding"
     PYTORCHJOB = "PyTorchJob"
     JOB = KIND
 
@@ -65,7 +59,6 @@ class Call:
     namespace: str
     name: str = ""
     body: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    selector: str = ""  # DELETE_COLLECTION's label selector
     grace_seconds: int | None = None  # DELETE of a pod
 
 
@@ -79,7 +72,7 @@ class Target:
     """None where the spec is invalid: only status writes and Events render then."""
     uri: str = ""
     cache_token: str = dataclasses.field(default="", repr=False)
-    """A fresh secret for the job's peer caches, should its Secret be made."""
+    """The job's token (ctj_contract.tokens), for its Secret should it be made."""
 
     @property
     def namespace(self) -> str:
@@ -124,26 +117,15 @@ def _(action: PatchStatus, target: Target) -> tuple[Call, ...]:
 
 @render.register
 def _(action: CreateAttempt, target: Target) -> tuple[Call, ...]:
-    """Heartbeats first (a rank's sidecar renews a Lease that exists, under a Role naming
-    it), then the cache Secret (made once per job, kept across attempts), then the
-    PyTorchJob, or the Service and the pods."""
+    """The job's Secret first (its token: made once per job, kept across attempts; the
+    pods read it), then the PyTorchJob, or the Service and the pods."""
     spec, body, ns = target.job_spec(), dict(target.body), target.namespace
     attempt, world_size, uri, avoid = action.attempt, action.world_size, target.uri, action.avoid
 
-    def create(kind: Kind, obj: Mapping[str, Any], verb: Verb = Verb.CREATE) -> Call:
-        return Call(verb=verb, kind=kind, namespace=ns, body=obj)
+    def create(kind: Kind, obj: Mapping[str, Any]) -> Call:
+        return Call(verb=Verb.CREATE, kind=kind, namespace=ns, body=obj)
 
-    role = builders.build_heartbeat_role(body, spec, attempt=attempt, world_size=world_size)
-    calls = [
-        create(Kind.ROLE, role, Verb.CREATE_OR_PATCH),
-        create(Kind.ROLE_BINDING, builders.build_heartbeat_binding(body, spec)),
-        *(
-            create(Kind.LEASE, lease)
-            for lease in builders.build_leases(body, spec, attempt=attempt, world_size=world_size)
-        ),
-    ]
-    if spec.checkpoint.node_cache is not None:
-        calls.append(create(Kind.SECRET, builders.build_cache_secret(body, target.cache_token)))
+    calls = [create(Kind.SECRET, builders.build_cache_secret(body, target.cache_token))]
     if spec.backend == Backend.PYTORCHJOB:
         job = builders.build_pytorchjob(
             body, spec, uri=uri, attempt=attempt, world_size=world_size, avoid=avoid
@@ -175,17 +157,12 @@ def _(action: DeletePods, target: Target) -> tuple[Call, ...]:
 
 @render.register
 def _(action: DeleteAttempt, target: Target) -> tuple[Call, ...]:
-    """The ended attempt's PyTorchJob (its pods go with it) and heartbeat Leases."""
-    ns, job = target.namespace, target.name
-    calls = []
-    if target.spec is not None and target.spec.backend == Backend.PYTORCHJOB:
-        name = builders.pytorchjob_name(job, action.attempt)
-        calls.append(Call(verb=Verb.DELETE, kind=Kind.PYTORCHJOB, namespace=ns, name=name))
-    selector = f"{LABEL_JOB}={job},{LABEL_ATTEMPT}={action.attempt}"
-    calls.append(
-        Call(verb=Verb.DELETE_COLLECTION, kind=Kind.LEASE, namespace=ns, selector=selector)
-    )
-    return tuple(calls)
+    """The ended attempt's PyTorchJob (its pods go with it); our own pods are deleted by
+    ``DeletePods``."""
+    if target.spec is None or target.spec.backend != Backend.PYTORCHJOB:
+        return ()
+    name = builders.pytorchjob_name(target.name, action.attempt)
+    return (Call(verb=Verb.DELETE, kind=Kind.PYTORCHJOB, namespace=target.namespace, name=name),)
 
 
 @render.register
@@ -205,20 +182,11 @@ def _(action: DeleteJob, target: Target) -> tuple[Call, ...]:
 
 
 @render.register
-def _(action: RequestCheckpoint, target: Target) -> tuple[Call, ...]:
-    """Annotate every rank's Lease: its sidecar sees it on the next beat and tells the
-    trainer (docs/operator.md, "Planned transitions")."""
-    spec, patch = target.job_spec(), checkpoint_request_patch(action.request_id)
-    return tuple(
-        Call(
-            verb=Verb.PATCH,
-            kind=Kind.LEASE,
-            namespace=target.namespace,
-            body=patch,
-            name=builders.rank_pod_name(spec, target.name, action.attempt, rank),
-        )
-        for rank in range(action.world_size)
-    )
+def _(action: RequestCheckpoint | Restarted | Recovered, target: Target) -> tuple[Call, ...]:
+    """No request: a checkpoint request is in the status the plan writes first, and the
+    heartbeat channel (heartbeats.py) carries it to every rank from there; Restarted and
+    Recovered are metrics only (metrics.OperatorMetrics.record)."""
+    return ()
 
 
 @render.register
@@ -240,8 +208,3 @@ def _(action: Emit, target: Target) -> tuple[Call, ...]:
             verb=Verb.EVENT, kind=Kind.JOB, namespace=target.namespace, name=target.name, body=event
         ),
     )
-
-
-@render.register
-def _(action: Restarted | Recovered, target: Target) -> tuple[Call, ...]:
-    return ()  # metrics only (metrics.OperatorMetrics.record)

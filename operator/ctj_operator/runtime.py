@@ -1,7 +1,7 @@
 """The running operator's state, in one object the handlers are given (kopf's memo).
 
 Nothing of the operator lives in module globals: its settings, its API clients, the leader
-election, the metrics, the marks the watches leave (when a heartbeat last changed) and
+election, the metrics, the heartbeat channel, the marks the watches leave and
 what it last wrote are here, made once by ``__main__`` and handed to kopf as
 ``memo.operator``.
 """
@@ -12,6 +12,7 @@ import dataclasses
 
 from .apply import Api
 from .builders import DEFAULT_SIDECAR_IMAGE
+from .heartbeats import HeartbeatChannel
 from .leader import LeaderElection
 from .metrics import OperatorMetrics
 from .observe import Marks
@@ -24,6 +25,9 @@ class OperatorConfig:
     """The checkpoint sidecar's image for jobs that name none (--sidecar-image)."""
     node_cache: NodeCache | None = None
     """The node-local chunk cache (--node-cache-path, --node-cache-size); None: off."""
+    job_key: bytes = dataclasses.field(default=b"\0" * 32, repr=False)
+    """The cluster key each job's token is derived from (--job-key-file; the chart's
+    Secret, also the node agents'); ctj_contract.tokens."""
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -34,6 +38,9 @@ class Operator:
     leader: LeaderElection | None = None
     """None: act at once (--no-leader-election)."""
     marks: Marks = dataclasses.field(default_factory=Marks)
+    channel: HeartbeatChannel | None = None
+    """Asks every rank's sidecar for its heartbeat (made by ``__main__`` with the cluster
+    key, over ``marks.beats``); None: no heartbeats (unit tests)."""
     written: dict[str, str] = dataclasses.field(default_factory=dict)
     """Job uid -> the resourceVersion of our last status write: a body older than that is
     a lagging watch's, and is not acted on."""

@@ -45,13 +45,19 @@ def test_defaults_render_the_operator_and_no_service_monitor(helm: Helm) -> None
     objects = render(helm)
     kinds = sorted(k for k, _ in objects)
     assert kinds == [
-        "ClusterRole",  # the operator's
+        "ClusterRole",  # the operator's, where jobs run
+        "ClusterRole",  # the operator's: list/watch Nodes
         "ClusterRole",  # users': aggregated into edit/admin
         "ClusterRole",  # users': aggregated into view
+        "ClusterRoleBinding",
         "ClusterRoleBinding",
         "ConfigMap",
         "Deployment",
         "PodDisruptionBudget",
+        "Role",  # its leader Lease, in its own namespace
+        "Role",  # reading kubelet Leases in kube-node-lease
+        "RoleBinding",
+        "RoleBinding",
         "Service",
         "ServiceAccount",
     ]
@@ -94,7 +100,7 @@ def test_defaults_render_the_operator_and_no_service_monitor(helm: Helm) -> None
     )
     # the operator never touches S3: no cloud identity on its ServiceAccount
     assert "annotations" not in the(objects, "ServiceAccount")["metadata"]
-    (subject,) = the(objects, "ClusterRoleBinding")["subjects"]
+    (subject,) = objects["ClusterRoleBinding", "ctj-operator"]["subjects"]
     assert subject == {"kind": "ServiceAccount", "name": "ctj-operator", "namespace": "ctj-system"}
 
 
@@ -142,11 +148,15 @@ def test_cluster_role_rules_are_deploy_operator_rbac(helm: Helm) -> None:
     reference = [
         d for d in yaml.safe_load_all((ROOT / "deploy" / "operator-rbac.yaml").read_text()) if d
     ]
-    (expected,) = [d for d in reference if d["kind"] == "ClusterRole"]
-    assert render(helm)["ClusterRole", expected["metadata"]["name"]]["rules"] == expected["rules"]
+    rendered = render(helm)
+    for expected in reference:
+        ours = rendered[expected["kind"], expected["metadata"]["name"]]
+        assert ours["metadata"].get("namespace") == expected["metadata"].get("namespace")
+        for field in ("rules", "roleRef", "subjects"):
+            assert ours.get(field) == expected.get(field), (expected["metadata"]["name"], field)
     without = render(helm, "rbac.create=false")
     # what stays are the users' roles (rbac.aggregateToDefaultRoles), none bound to the operator
-    assert not any(k == "ClusterRoleBinding" for k, _ in without)
+    assert not any(k in ("ClusterRoleBinding", "Role", "RoleBinding") for k, _ in without)
     assert ("ClusterRole", "ctj-operator") not in without
 
 

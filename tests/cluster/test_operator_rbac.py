@@ -42,16 +42,9 @@ ALLOWED = [
     ("delete", "pods", ""),
     ("create", "services", ""),
     ("create", "secrets", ""),  # a job's peer-cache token; never read back
+    ("create", "networkpolicies.networking.k8s.io", ""),  # a job's own policy
     ("list", "nodes", ""),
     ("watch", "nodes", ""),
-    ("watch", "leases.coordination.k8s.io", ""),  # heartbeats, kubelets, the leader
-    ("create", "leases.coordination.k8s.io", ""),
-    ("patch", "leases.coordination.k8s.io", ""),  # checkpoint requests
-    ("update", "leases.coordination.k8s.io", ""),  # the leader Lease, with resourceVersion
-    ("deletecollection", "leases.coordination.k8s.io", ""),
-    ("create", "roles.rbac.authorization.k8s.io", ""),  # a job's pods renew its Leases only
-    ("patch", "roles.rbac.authorization.k8s.io", ""),
-    ("create", "rolebindings.rbac.authorization.k8s.io", ""),
     ("create", "events", ""),
     ("get", "pytorchjobs.kubeflow.org", ""),
     ("watch", "pytorchjobs.kubeflow.org", ""),
@@ -76,6 +69,24 @@ DENIED = [
     ("escalate", "roles.rbac.authorization.k8s.io", ""),
     ("create", "deployments.apps", ""),
     ("create", "serviceaccounts", "token"),
+    # no Roles (it could grant itself anything), no Lease it does not own
+    ("create", "roles.rbac.authorization.k8s.io", ""),
+    ("patch", "roles.rbac.authorization.k8s.io", ""),
+    ("create", "rolebindings.rbac.authorization.k8s.io", ""),
+    ("create", "leases.coordination.k8s.io", ""),
+    ("update", "leases.coordination.k8s.io", ""),
+    ("patch", "leases.coordination.k8s.io", ""),
+    ("deletecollection", "leases.coordination.k8s.io", ""),
+    ("watch", "leases.coordination.k8s.io", ""),
+]
+# Leases: its leader Lease in its own namespace, the kubelets' read-only
+LEASES = [
+    ("create", "leases.coordination.k8s.io", "ctj-system", "yes"),
+    ("update", "leases.coordination.k8s.io/ctj-operator", "ctj-system", "yes"),
+    ("update", "leases.coordination.k8s.io/another", "ctj-system", "no"),
+    ("watch", "leases.coordination.k8s.io", "kube-node-lease", "yes"),
+    ("update", "leases.coordination.k8s.io", "kube-node-lease", "no"),
+    ("update", "leases.coordination.k8s.io", "kube-system", "no"),
 ]
 
 
@@ -109,6 +120,13 @@ def test_what_it_does_not_use_is_denied(
     op_cluster: Cluster, rbac: None, verb: str, resource: str, sub: str
 ) -> None:
     assert can_i(op_cluster, verb, resource, sub, "some-team") == "no"
+
+
+@pytest.mark.parametrize(("verb", "resource", "ns", "answer"), LEASES)
+def test_leases_only_its_own_and_the_kubelets_read_only(
+    op_cluster: Cluster, rbac: None, verb: str, resource: str, ns: str, answer: str
+) -> None:
+    assert can_i(op_cluster, verb, resource, "", ns) == answer
 
 
 def test_the_operator_runs_a_job_with_only_its_service_account(

@@ -141,7 +141,9 @@ def test_roles_aggregated_into_edit_admin_and_view(helm: Helm) -> None:
     # users' roles are not the operator's: they stay with rbac.create=false, and go alone
     assert ("ClusterRole", "ctj-operator-edit") in render(helm, "rbac.create=false")
     off = render(helm, "rbac.aggregateToDefaultRoles=false")
-    assert [n for k, n in off if k == "ClusterRole"] == ["ctj-operator"]
+    assert [n for k, n in off if k == "ClusterRole"] == [
+        "ctj-operator-node-agent", "ctj-operator", "ctj-operator-nodes"
+    ]  # fmt: skip
 
 
 def test_values_schema_refuses_typos_in_the_new_values(helm: Helm) -> None:

@@ -6,23 +6,19 @@ the pod, secretKeyRefs from Secrets); the engine's configuration starts from it.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
-from ctj_contract import (
-    ANNOTATION_LAST_CHECKPOINT,
-    Env,
-    LastCheckpoint,
-    checkpoint_request_patch,
-    heartbeat_patch,
-)
+from ctj_contract import Env, HeartbeatAsk, HeartbeatReply, LastCheckpoint
 from ctj_operator import builders
-from ctj_operator.observe import last_checkpoint, lease_summary
+from ctj_operator.heartbeats import HeartbeatChannel, JobAsk, Rank
+from ctj_operator.observe import Freshness, pod_summary
 from ctj_operator.spec import JobSpec, NodeCache
 
 from trainer_sidecar.config import CheckpointConfig
 from trainer_sidecar.format.manifest import Mode
-from trainer_sidecar.heartbeat import HeartbeatSettings, last_checkpoint_value
+from trainer_sidecar.heartbeat import HeartbeatEndpoint, HeartbeatSettings, last_checkpoint_value
 
 BODY = {"metadata": {"name": "demo", "namespace": "ml", "uid": "u-1"}}
 POD_IP = "10.1.2.3"
@@ -47,7 +43,7 @@ def job_spec(*, node_cache: bool = True, backend: str = "pods") -> JobSpec:
             "failureDetection": {"heartbeatPeriodSeconds": 1.5, "heartbeatTimeoutSeconds": 6},
             "template": {"spec": {"containers": [{"name": "trainer", "image": "t:1"}]}},
         },
-        node_cache=NodeCache("/var/lib/ctj", 1 << 30) if node_cache else None,
+        node_cache=NodeCache() if node_cache else None,
     )
 
 
@@ -58,7 +54,12 @@ def resolved_env(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, st
         "s3-credentials": CREDENTIALS,
         builders.cache_secret_name("demo"): {"token": CACHE_TOKEN},
     }
-    fields = {"metadata.name": meta["name"], "metadata.namespace": "ml", "status.podIP": POD_IP}
+    fields = {
+        "metadata.name": meta["name"],
+        "metadata.namespace": "ml",
+        "status.podIP": POD_IP,
+        "status.hostIP": "10.0.0.9",
+    }
     env: dict[str, str] = {}
     for var in container.get("env") or []:
         if "value" in var:
@@ -98,68 +99,83 @@ def test_the_engine_starts_from_the_environment_the_operator_gives_a_rank(
         assert config.sidecar is True, "the trainer must leave persisting to the sidecar"
         if not in_sidecar:  # the trainer names each save; the sidecar reads it from the slot
             assert config.attempt == "7", "every save's identity carries the attempt"
-        assert config.cache_dir == builders.CACHE_PATH
-        assert config.cache_max_bytes == 1 << 30
+        assert config.cache_dir is None  # no hostPath: the node agent holds the cache
+        assert config.node_agent == "10.0.0.9:9403"  # the node's address, the agent's port
+        assert (config.job_namespace, config.job_name) == ("ml", "demo")
+        assert config.job_uid == BODY["metadata"]["uid"]
         assert config.cache_peers == peers
         assert config.cache_token == CACHE_TOKEN
         assert config.cache_port == (builders.CACHE_PORT if in_sidecar else None)
         assert {env[Env.S3_ACCESS_KEY], env[Env.S3_SECRET_KEY]} == set(CREDENTIALS.values())
     env = resolved_env(pod, sidecar)
     beat = HeartbeatSettings.from_env(env)
-    assert beat is not None
-    assert beat == HeartbeatSettings(
-        lease=f"demo-a7-{node_rank}", namespace="ml", period_s=1.5, rank0=node_rank == 0
-    )
+    assert beat == HeartbeatSettings(token=CACHE_TOKEN, attempt=7, node_rank=node_rank)
     assert env[Env.METRICS_HOST] == POD_IP
     assert resolved_env(pod, trainer)[Env.SAVE_EVERY] == "25"
 
 
-def test_the_heartbeat_lease_the_operator_makes_is_the_one_the_sidecar_renews() -> None:
-    spec = job_spec()
-    leases = builders.build_leases(BODY, spec, attempt=3, world_size=2)
-    for rank, lease in enumerate(leases):
-        pod = builders.build_pod(
-            BODY, spec, uri="s3://b/p", attempt=3, world_size=2, node_rank=rank
-        )
-        beat = HeartbeatSettings.from_env(resolved_env(pod, containers(pod)[1]))
-        assert beat is not None
-        assert beat.lease == lease["metadata"]["name"] == pod["metadata"]["name"]
-        assert lease_summary(lease)["rank"] == rank
+def test_the_rank_the_operator_asks_is_the_one_whose_sidecar_answers(tmp_path: Path) -> None:
+    """The pod as the watch summarizes it, the ask the channel sends, the sidecar's
+    settings from the pod's environment and its reply: the same attempt and rank, the
+    same token, rank 0's report read back as the operator shows it."""
 
-
-def test_a_pytorchjob_rank_finds_its_lease_and_whether_it_is_rank_0() -> None:
-    spec = job_spec(backend="pytorchjob")
-    job = builders.build_pytorchjob(BODY, spec, uri="s3://b/p", attempt=2, world_size=3)
-    for kind, name, rank0 in (
-        ("Master", "demo-a2-master-0", True),
-        ("Worker", "demo-a2-worker-1", False),
-    ):
-        template = job["spec"]["pytorchReplicaSpecs"][kind]["template"]
-        pod = {"metadata": {"name": name, **template["metadata"]}, "spec": template["spec"]}
-        trainer, sidecar = containers(pod)
-        beat = HeartbeatSettings.from_env(resolved_env(pod, sidecar))
-        assert beat is not None and (beat.lease, beat.rank0) == (name, rank0)
-        config = CheckpointConfig.from_env(resolved_env(pod, trainer))
-        assert config.attempt == "2" and config.sidecar
-
-
-def test_what_rank_0_reports_is_what_the_operator_reads() -> None:
     @dataclasses.dataclass
     class Commit:
         step: int = 120
         created: float = 1796126400.0
         logical_bytes: int = 1 << 20
 
-    value = last_checkpoint_value(Commit())
-    patch = heartbeat_patch(1796126401.0, value)
-    labels = builders.heartbeat_labels("demo", 1, 0)
-    lease = {"metadata": {"name": "demo-a1-0", "labels": labels, **patch["metadata"]}}
-    assert lease["metadata"]["annotations"] == {ANNOTATION_LAST_CHECKPOINT: value}
-    assert last_checkpoint([lease_summary(lease)]) == {
-        "step": 120,
-        "time": "2026-12-01T12:00:00Z",
-        "bytes": 1 << 20,
-    }
+    spec = job_spec()
+    pod = builders.build_pod(BODY, spec, uri="s3://b/p", attempt=3, world_size=2, node_rank=0)
+    pod["status"] = {"phase": "Running", "podIP": POD_IP}
+    channel = HeartbeatChannel(b"k" * 32, Freshness())
+    channel.track("ml", "demo", pod_summary(pod))
+    rank = channel.ranks[("ml", "demo-a3-0")]
+    assert rank == Rank(("ml", "demo"), "demo-a3-0", POD_IP, 3, 0)
+    job = JobAsk(uid="u-1", attempt=3, ended=False, request="3-ScaleUp-1", period_s=1.5)
+    settings = HeartbeatSettings.from_env(resolved_env(pod, containers(pod)[1]))
+    assert settings is not None
+    endpoint = HeartbeatEndpoint(settings, latest=Commit, root=tmp_path)
+    code, _, body = endpoint.handle(job.ask_for(rank).encode(), f"Bearer {CACHE_TOKEN}")
+    assert code == 200
+    reply = HeartbeatReply.decode(body)
+    assert (reply.attempt, reply.node_rank, reply.request_seen) == (3, 0, "3-ScaleUp-1")
+    assert LastCheckpoint.decode(reply.last_checkpoint) == LastCheckpoint(
+        120, "2026-12-01T12:00:00Z", 1 << 20
+    )
+    assert last_checkpoint_value(Commit()) == reply.last_checkpoint
+
+
+def test_the_token_the_operator_derives_is_the_one_in_the_job_secret() -> None:
+    """The operator authenticates its asks with the token it wrote into the job's Secret."""
+    channel = HeartbeatChannel(b"k" * 32, Freshness())
+    token = channel.token(("ml", "demo"), "u-1")
+    secret = builders.build_cache_secret(BODY, token)
+    assert secret["stringData"]["token"] == token
+    assert token != channel.token(("ml", "demo"), "u-2"), "a new job of the name: a new token"
+
+
+def test_a_pytorchjob_rank_knows_its_attempt_and_whether_it_is_rank_0() -> None:
+    spec = job_spec(backend="pytorchjob")
+    job = builders.build_pytorchjob(BODY, spec, uri="s3://b/p", attempt=2, world_size=3)
+    for kind, name, rank in (
+        ("Master", "demo-a2-master-0", 0),
+        ("Worker", "demo-a2-worker-1", None),
+    ):
+        template = job["spec"]["pytorchReplicaSpecs"][kind]["template"]
+        pod = {"metadata": {"name": name, **template["metadata"]}, "spec": template["spec"]}
+        trainer, sidecar = containers(pod)
+        beat = HeartbeatSettings.from_env(resolved_env(pod, sidecar))
+        assert beat is not None and (beat.attempt, beat.node_rank) == (2, rank)
+        config = CheckpointConfig.from_env(resolved_env(pod, trainer))
+        assert config.attempt == "2" and config.sidecar
+
+
+def test_the_ask_round_trips() -> None:
+    ask = HeartbeatAsk(attempt=4, ended=True, checkpoint_request="r-1")
+    assert HeartbeatAsk.decode(ask.encode()) == ask
+    reply = HeartbeatReply(attempt=4, node_rank=None, request_seen=None, last_checkpoint=None)
+    assert HeartbeatReply.decode(reply.encode()) == reply
 
 
 @pytest.mark.parametrize(
@@ -186,6 +202,3 @@ def test_every_environment_name_the_operator_writes_is_the_contract_s() -> None:
     ours = {name for name in written if name.startswith(("CTJ_", "AWS_"))} | {"NODE_RANK"}
     assert ours <= contract
     assert contract <= written
-    assert checkpoint_request_patch("r-1") == {
-        "metadata": {"annotations": {"training.ctj.dev/checkpoint-request": "r-1"}}
-    }

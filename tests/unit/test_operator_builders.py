@@ -211,34 +211,23 @@ def test_a_failed_pytorchjob_says_why() -> None:
     assert why == "PyTorchJob demo-a1 failed: 1 Worker replica(s) failed."
 
 
-def test_heartbeat_lease_role_and_sidecar_env_name_exactly_the_attempts_pods() -> None:
-    (lease,) = builders.build_leases(BODY, job_spec(), attempt=2, world_size=1)
-    assert lease["metadata"]["name"] == "demo-a2-0" == lease["spec"]["holderIdentity"]
-    role = builders.build_heartbeat_role(BODY, job_spec(), attempt=2, world_size=3)
-    (rule,) = role["rules"]
-    assert rule["resourceNames"] == ["demo-a2-0", "demo-a2-1", "demo-a2-2"]
-    assert rule["verbs"] == ["get", "patch"] and rule["resources"] == ["leases"]
-    binding = builders.build_heartbeat_binding(BODY, job_spec())
-    assert binding["subjects"][0]["name"] == "default"
-    sidecar = pod()["spec"]["initContainers"][-1]
-    env = env_of(sidecar)
-    assert env["CTJ_HEARTBEAT_LEASE"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-    assert env["NODE_RANK"] == "1"
+def test_the_sidecar_answers_heartbeats_with_the_job_token_its_attempt_and_rank() -> None:
+    """No Lease, no Role, no API access: the sidecar has the job's token from its Secret."""
+    env = env_of(pod()["spec"]["initContainers"][-1])
+    token = {"secretKeyRef": {"name": "demo-ctj-cache", "key": "token"}}
+    assert env["CTJ_CACHE_TOKEN"] == token
+    assert env["NODE_RANK"] == "1" and env["CTJ_ATTEMPT"] == "2"
+    assert "CTJ_HEARTBEAT_LEASE" not in env
 
 
-def test_pytorchjob_leases_are_named_like_the_pods_the_kubeflow_controller_makes() -> None:
+def test_a_pytorchjob_master_knows_it_is_rank_0_and_a_worker_no_rank() -> None:
     spec = job_spec(backend="pytorchjob")
-    leases = builders.build_leases(BODY, spec, attempt=2, world_size=3)
-    names = ["demo-a2-master-0", "demo-a2-worker-0", "demo-a2-worker-1"]
-    assert [lease["metadata"]["name"] for lease in leases] == names
-    assert [lease["metadata"]["labels"][LABEL_RANK] for lease in leases] == ["0", "1", "2"]
-    role = builders.build_heartbeat_role(BODY, spec, attempt=2, world_size=3)
-    assert role["rules"][0]["resourceNames"] == names
     job = builders.build_pytorchjob(BODY, spec, uri=URI, attempt=2, world_size=3)
     replicas = job["spec"]["pytorchReplicaSpecs"]
     master = env_of(replicas["Master"]["template"]["spec"]["initContainers"][-1])
     worker = env_of(replicas["Worker"]["template"]["spec"]["initContainers"][-1])
-    assert master["CTJ_HEARTBEAT_LEASE"] == worker["CTJ_HEARTBEAT_LEASE"]  # the pod's name
+    assert master["CTJ_CACHE_TOKEN"] == worker["CTJ_CACHE_TOKEN"]
+    assert master["CTJ_ATTEMPT"] == worker["CTJ_ATTEMPT"] == "2"
     assert master["NODE_RANK"] == "0" and "NODE_RANK" not in worker
 
 
@@ -280,7 +269,7 @@ def test_suspect_nodes_are_excluded_from_every_node_selector_term() -> None:
     ][0] == {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["a"]}]}
 
 
-CACHE = NodeCache("/var/lib/ctj/cache", 20 << 30)
+CACHE = NodeCache()
 
 
 def cached_spec(backend: str = "pods", **checkpoint: Any) -> JobSpec:
@@ -294,37 +283,33 @@ def cached_spec(backend: str = "pods", **checkpoint: Any) -> JobSpec:
     return JobSpec.parse(raw, node_cache=CACHE)
 
 
-def test_the_node_cache_is_a_hostpath_per_job_in_both_containers_served_to_the_peers() -> None:
+def test_the_node_cache_is_the_node_agent_named_in_both_containers_with_no_hostpath() -> None:
     p = builders.build_pod(BODY, cached_spec(), uri=URI, attempt=2, world_size=3, node_rank=1)
     spec = p["spec"]
-    (volume,) = [v for v in spec["volumes"] if v["name"] == "ctj-cache"]
-    assert volume["hostPath"] == {
-        "path": "/var/lib/ctj/cache/ml/demo",
-        "type": "DirectoryOrCreate",
-    }
+    assert not [v for v in spec.get("volumes", []) if "hostPath" in v]
     trainer, sidecar = spec["containers"][0], spec["initContainers"][-1]
     peers = ",".join(f"demo-a2-{r}.demo:{builders.CACHE_PORT}" for r in range(3))
     for container in (trainer, sidecar):
         env = env_of(container)
-        assert env["CTJ_CACHE_DIR"] == builders.CACHE_PATH
-        assert env["CTJ_CACHE_MAX_BYTES"] == str(20 << 30)
+        # the agent's hostPort on the pod's own node, and the job it speaks for
+        assert env["CTJ_NODE_AGENT_HOST"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
+        assert env["CTJ_NODE_AGENT_PORT"] == "9403"
+        assert (env["CTJ_JOB_NAMESPACE"], env["CTJ_JOB_NAME"], env["CTJ_JOB_UID"]) == (
+            "ml", "demo", "u-1",
+        )  # fmt: skip
+        assert "CTJ_CACHE_DIR" not in env
         assert env["CTJ_CACHE_PEERS"] == peers
         # the token only as a reference to the job's Secret
         assert env["CTJ_CACHE_TOKEN"] == {
             "secretKeyRef": {"name": "demo-ctj-cache", "key": "token"}
         }
-        assert {"name": "ctj-cache", "mountPath": builders.CACHE_PATH} in container["volumeMounts"]
+        assert not [m for m in container.get("volumeMounts", []) if m["name"] == "ctj-cache"]
     assert env_of(sidecar)["CTJ_CACHE_PORT"] == str(builders.CACHE_PORT)
     assert "CTJ_CACHE_PORT" not in env_of(trainer)
-    # the kubelet's root-owned directory is opened to the pod's users first, by a root
-    # step that holds no capability and mounts nothing else
-    first = spec["initContainers"][0]
-    assert first["name"] == "ctj-cache-permissions"
-    assert first["command"] == ["chmod", "1777", builders.CACHE_PATH]
-    assert first["securityContext"]["runAsUser"] == 0
-    assert first["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert first["volumeMounts"] == [{"name": "ctj-cache", "mountPath": builders.CACHE_PATH}]
-    assert first["image"] == sidecar["image"]
+    # no root step: nothing of ours runs as root
+    assert all(
+        (c.get("securityContext") or {}).get("runAsUser") != 0 for c in spec["initContainers"]
+    )
 
 
 def test_pytorchjob_peers_are_the_controllers_pod_services() -> None:
@@ -337,19 +322,16 @@ def test_pytorchjob_peers_are_the_controllers_pod_services() -> None:
     )
 
 
-def test_a_job_may_resize_or_turn_off_the_node_cache_and_the_operator_default_is_off() -> None:
+def test_a_job_may_turn_off_the_node_cache_and_the_operator_default_is_off() -> None:
     assert cached_spec().checkpoint.node_cache == CACHE
-    assert cached_spec(nodeCache={"sizeLimit": "1Gi"}).checkpoint.node_cache == NodeCache(
-        CACHE.root, 1 << 30
-    )
+    # the agent bounds the cache per node: a job's sizeLimit is checked, not applied
+    assert cached_spec(nodeCache={"sizeLimit": "1Gi"}).checkpoint.node_cache == CACHE
     assert cached_spec(nodeCache={"enabled": False}).checkpoint.node_cache is None
-    assert job_spec().checkpoint.node_cache is None  # the operator was given no cache path
+    assert job_spec().checkpoint.node_cache is None  # the operator was given no agent port
     plain = builders.build_pod(BODY, job_spec(), uri=URI, attempt=1, world_size=2, node_rank=0)
-    assert "CTJ_CACHE_DIR" not in env_of(plain["spec"]["containers"][0])
+    assert "CTJ_NODE_AGENT_HOST" not in env_of(plain["spec"]["containers"][0])
     with pytest.raises(SpecError, match=r"nodeCache\.sizeLimit='lots' is not a quantity"):
         cached_spec(nodeCache={"sizeLimit": "lots"})
-    with pytest.raises(SpecError, match="64Mi or more"):
-        cached_spec(nodeCache={"sizeLimit": "1Mi"})
 
 
 def test_the_cache_secret_is_owned_by_the_job() -> None:

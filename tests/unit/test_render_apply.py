@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import pytest
-from ctj_contract import ANNOTATION_CHECKPOINT_REQUEST, LABEL_ATTEMPT, LABEL_JOB
+from ctj_contract import LABEL_ATTEMPT
 from ctj_operator.apply import Api, Outcome, apply
 from ctj_operator.decisions import (
     Cause,
@@ -41,7 +41,7 @@ def target(backend: str = "pods", cache: bool = True) -> Target:
             "checkpoint": {"uri": "s3://b/jobs"},
             "template": {"spec": {"containers": [{"name": "t", "image": "t:1"}]}},
         },
-        node_cache=NodeCache("/var/lib/ctj", 1 << 30) if cache else None,
+        node_cache=NodeCache() if cache else None,
     )
     return Target(body=BODY, spec=spec, uri="s3://b/jobs/ml/demo-u-1", cache_token=TOKEN)
 
@@ -50,55 +50,42 @@ def shape(calls: tuple[Call, ...]) -> list[tuple[str, str, str]]:
     return [(c.verb.value, c.kind.value, c.name or c.body["metadata"]["name"]) for c in calls]
 
 
-def test_an_attempt_is_its_heartbeats_then_its_secret_service_and_pods() -> None:
+def test_an_attempt_is_its_secret_then_its_service_and_pods() -> None:
+    """No Role, RoleBinding or Lease: pods need no API access (heartbeats are asked)."""
     calls = render(CreateAttempt(3, 2, avoid=("n9",)), target())
     assert shape(calls) == [
-        ("create-or-patch", "Role", "demo-ctj-heartbeat"),
-        ("create", "RoleBinding", "demo-ctj-heartbeat"),
-        ("create", "Lease", "demo-a3-0"),
-        ("create", "Lease", "demo-a3-1"),
         ("create", "Secret", "demo-ctj-cache"),
         ("create", "Service", "demo"),
         ("create", "Pod", "demo-a3-0"),
         ("create", "Pod", "demo-a3-1"),
     ]
-    assert calls[4].body["stringData"] == {"token": TOKEN}
+    assert calls[0].body["stringData"] == {"token": TOKEN}
     pod = calls[-1].body
     assert pod["metadata"]["labels"][LABEL_ATTEMPT] == "3"
     assert "n9" in json.dumps(pod["spec"]["affinity"]["nodeAffinity"])
     assert {c.namespace for c in calls} == {"ml"}
 
 
-def test_a_pytorchjob_attempt_is_one_pytorchjob_and_no_pods() -> None:
+def test_a_pytorchjob_attempt_is_its_secret_and_one_pytorchjob_and_no_pods() -> None:
     calls = render(CreateAttempt(2, 3), target("pytorchjob", cache=False))
-    assert shape(calls)[-1] == ("create", "PyTorchJob", "demo-a2")
-    assert not {Kind.POD, Kind.SERVICE, Kind.SECRET} & {c.kind for c in calls}
+    assert shape(calls) == [
+        ("create", "Secret", "demo-ctj-cache"),
+        ("create", "PyTorchJob", "demo-a2"),
+    ]
 
 
-def test_ending_an_attempt_deletes_its_leases_and_pytorchjob_by_name() -> None:
-    selector = f"{LABEL_JOB}=demo,{LABEL_ATTEMPT}=2"
-    (leases,) = render(DeleteAttempt(2), target())
-    assert (leases.verb, leases.kind, leases.selector) == (
-        Verb.DELETE_COLLECTION,
-        Kind.LEASE,
-        selector,
-    )
-    job, leases = render(DeleteAttempt(2), target("pytorchjob"))
+def test_ending_an_attempt_deletes_its_pytorchjob_by_name() -> None:
+    assert render(DeleteAttempt(2), target()) == ()
+    (job,) = render(DeleteAttempt(2), target("pytorchjob"))
     assert (job.verb, job.kind, job.name) == (Verb.DELETE, Kind.PYTORCHJOB, "demo-a2")
     graceful, forced = (render(DeletePods(("p",), force=f), target())[0] for f in (False, True))
     assert (graceful.grace_seconds, forced.grace_seconds) == (30, 0)
 
 
-def test_a_checkpoint_request_annotates_every_rank_s_lease() -> None:
-    for backend, names in (
-        ("pods", ["demo-a4-0", "demo-a4-1"]),
-        ("pytorchjob", ["demo-a4-master-0", "demo-a4-worker-0"]),
-    ):
-        calls = render(RequestCheckpoint(4, 2, "resize-9"), target(backend))
-        assert [c.name for c in calls] == names
-        assert {json.dumps(c.body) for c in calls} == {
-            json.dumps({"metadata": {"annotations": {ANNOTATION_CHECKPOINT_REQUEST: "resize-9"}}})
-        }
+def test_a_checkpoint_request_is_no_api_call() -> None:
+    """It rides in the status the plan writes first; the heartbeat channel carries it."""
+    for backend in ("pods", "pytorchjob"):
+        assert render(RequestCheckpoint(4, 2, "resize-9"), target(backend)) == ()
 
 
 def test_status_events_and_metrics_only_actions() -> None:
@@ -142,9 +129,6 @@ class FakeObjects:
         if name not in self.existing:
             raise api_error(404)
 
-    def patch(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any:
-        self._do("patch", name)
-
     def patch_status(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any:
         self._do("patch_status", name)
         rv = int(body["metadata"]["resourceVersion"])
@@ -152,9 +136,6 @@ class FakeObjects:
 
     def delete(self, namespace: str, name: str, grace_seconds: int | None) -> Any:
         self._do("delete", name)
-
-    def delete_collection(self, namespace: str, selector: str) -> Any:
-        self._do("delete_collection", selector)
 
     def delete_if(self, namespace: str, name: str, preconditions: Mapping[str, str]) -> Any:
         self._do("delete_if", f"{name} {json.dumps(preconditions, sort_keys=True)}")
@@ -206,19 +187,19 @@ def test_a_refused_pod_is_reported_and_a_quota_refusal_of_an_existing_one_is_not
 
 def test_a_terminating_namespace_ends_the_plan_quietly_and_server_errors_raise() -> None:
     terminating = api_error(403, "namespace ml is terminating", reason="NamespaceTerminating")
-    api, _ = fake_api(ROLE={"create": terminating})
+    api, _ = fake_api(SECRET={"create": terminating})
     outcome = apply(render_plan(START, target()), api, resource_version="5")
     assert outcome.namespace_terminating and not outcome.refused
-    api, _ = fake_api(LEASE={"create": api_error(503)})
+    api, _ = fake_api(SECRET={"create": api_error(503)})
     with pytest.raises(ApiException):
         apply(render_plan(START, target()), api, resource_version="5")
 
 
-def test_what_is_gone_already_is_deleted_and_a_role_there_already_is_patched() -> None:
-    api, log = fake_api(POD={"delete": api_error(404)}, ROLE={"create": api_error(409)})
+def test_what_is_gone_already_is_deleted_and_what_is_there_already_is_made() -> None:
+    api, log = fake_api(POD={"delete": api_error(404)}, SECRET={"create": api_error(409)})
     apply(render_plan(Plan((DeletePods(("demo-a1-0",)),)), target()), api, resource_version="5")
     apply(render_plan(Plan((CreateAttempt(2, 1),)), target()), api, resource_version="5")
-    assert ("patch", "Role", "demo-ctj-heartbeat") in log
+    assert ("create", "Pod", "demo-a2-0") in log, "the Secret already there: the attempt goes on"
     api, _ = fake_api(POD={"delete": api_error(500)})
     with pytest.raises(ApiException):
         apply(render_plan(Plan((DeletePods(("x",)),)), target()), api, resource_version="5")

@@ -1,0 +1,240 @@
+"""The operator's side of the heartbeat: the leader asks every rank's sidecar, each period.
+
+The pod watch tells the channel where each rank runs (``track``: its IP, job, attempt and
+node rank, once Running); each reconcile tells it what to say to the job's ranks
+(``want``: the attempt its status has, whether that attempt is over, the checkpoint
+request of a planned transition, all read from the job's status, so an operator that
+restarts says the same). A background task (``run``, on kopf's event loop, leader only)
+POSTs a ``HeartbeatAsk`` to each rank's ``/v1/heartbeat`` every job's
+``failureDetection.heartbeatPeriodSeconds``, with the job's token; each valid reply is
+marked in ``Marks.beats`` by when this process received it, which the decisions judge
+against the job's heartbeat timeout (``HeartbeatLost``). Rank 0's reply carries the last
+committed checkpoint.
+
+No API request per beat, and pods need no Kubernetes credentials: the trainer_sidecar
+heartbeat module's docstring says why. A rank first seen Running counts as just
+answered, so a freshly started (or newly elected) operator gives every rank one whole
+timeout before judging it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ctj_contract import HEARTBEAT_PATH, HeartbeatAsk, HeartbeatReply, LastCheckpoint
+from ctj_contract.tokens import job_token
+
+from .builders import METRICS_PORT
+from .observe import Freshness, JobKey
+
+log = logging.getLogger("ctj.operator.heartbeat")
+
+TICK_S = 0.2
+"""How often the task looks for ranks due an ask (an ask goes out at most this late)."""
+LOG_EVERY_S = 60.0
+MAX_REPLY = 16 * 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rank:
+    """A rank's pod, where the channel asks it."""
+
+    job: JobKey
+    pod: str
+    ip: str
+    attempt: int
+    node_rank: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobAsk:
+    """What the channel says to a job's ranks (from its status), and how often."""
+
+    uid: str
+    attempt: int
+    ended: bool
+    request: str | None
+    period_s: float
+
+    def ask_for(self, rank: Rank) -> HeartbeatAsk:
+        """A pod of an older attempt is told its attempt is over; only the current
+        attempt's ranks get the checkpoint request."""
+        current = rank.attempt == self.attempt
+        return HeartbeatAsk(
+            attempt=self.attempt,
+            ended=self.ended or not current,
+            checkpoint_request=self.request if current else None,
+        )
+
+
+def timeout_for(period_s: float) -> float:
+    """One ask's limit: a slow sidecar delays its next ask by no more."""
+    return max(1.0, min(5.0, 2 * period_s))
+
+
+class HeartbeatChannel:
+    def __init__(self, key: bytes, beats: Freshness, *, port: int = METRICS_PORT) -> None:
+        self._key = key
+        self.beats = beats
+        self.port = port
+        self.ranks: dict[tuple[str, str], Rank] = {}
+        self.jobs: dict[JobKey, JobAsk] = {}
+        self._reports: dict[JobKey, LastCheckpoint] = {}
+        self._tokens: dict[str, str] = {}
+        self._due: dict[tuple[str, str], float] = {}
+        self._in_flight: set[tuple[str, str]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._answers = 0
+        self._logged: dict[tuple[str, str], float] = {}
+
+    # -- what the watches and the reconciles tell it ----------------------------------
+
+    def track(self, namespace: str, job: str, summary: Mapping[str, Any]) -> None:
+        """A pod of a job, as the pod index summarizes it: asked while Running with an IP."""
+        key = (namespace, summary["name"])
+        ip = summary.get("ip")
+        if summary["phase"] != "Running" or not ip:
+            self.untrack(namespace, summary["name"])
+            return
+        rank = Rank((namespace, job), summary["name"], ip, summary["attempt"], summary["rank"])
+        if self.ranks.get(key) != rank:
+            self.ranks[key] = rank
+            self.beats.see(key, ("tracked", ip))  # one whole timeout from now to answer
+            self._due[key] = 0.0
+
+    def untrack(self, namespace: str, pod: str) -> None:
+        key = (namespace, pod)
+        self.ranks.pop(key, None)
+        self._due.pop(key, None)
+
+    def want(self, job: JobKey, ask: JobAsk) -> None:
+        self.jobs[job] = ask
+
+    def forget_job(self, job: JobKey) -> None:
+        self.jobs.pop(job, None)
+        self._reports.pop(job, None)
+
+    def last_checkpoint(self, job: JobKey) -> dict[str, Any] | None:
+        """The newest checkpoint the job's rank 0 reported to this process."""
+        found = self._reports.get(job)
+        return None if found is None else found.as_status()
+
+    def token(self, job: JobKey, uid: str) -> str:
+        if uid not in self._tokens:
+            self._tokens[uid] = job_token(self._key, job[0], job[1], uid)
+        return self._tokens[uid]
+
+    # -- the task ------------------------------------------------------------------------
+
+    async def run(self, leads: Callable[[], bool]) -> None:
+        """Ask every tracked rank of a known job when due, while this process leads."""
+        while True:
+            if leads():
+                self._ask_due()
+            await asyncio.sleep(TICK_S)
+
+    def _ask_due(self) -> None:
+        now = time.monotonic()
+        for key, rank in list(self.ranks.items()):
+            job = self.jobs.get(rank.job)
+            if job is None or key in self._in_flight or self._due.get(key, 0.0) > now:
+                continue
+            self._due[key] = now + job.period_s
+            self._in_flight.add(key)
+            task = asyncio.get_running_loop().create_task(self._ask_once(key, rank, job))
+            self._tasks.add(task)  # held: the loop keeps only a weak reference
+            task.add_done_callback(self._tasks.discard)
+
+    async def _ask_once(self, key: tuple[str, str], rank: Rank, job: JobAsk) -> None:
+        try:
+            await self.ask(key, rank, job)
+        finally:
+            self._in_flight.discard(key)
+
+    async def ask(self, key: tuple[str, str], rank: Rank, job: JobAsk) -> bool:
+        """One ask; True if a valid reply came back (marked as a beat)."""
+        url = f"http://{_host(rank.ip)}:{self.port}{HEARTBEAT_PATH}"
+        token = self.token(rank.job, job.uid)
+        try:
+            status, raw = await asyncio.wait_for(
+                post(rank.ip, self.port, job.ask_for(rank).encode(), token),
+                timeout_for(job.period_s),
+            )
+            if status != 200:
+                self._warn(key, f"{url} answered {status}: {raw[:200]!r}")
+                return False
+            reply = HeartbeatReply.decode(raw)
+        except (OSError, TimeoutError, ValueError) as exc:
+            self._warn(key, f"{url}: {type(exc).__name__}: {exc}")
+            return False
+        if reply.attempt != rank.attempt or reply.node_rank not in (None, rank.node_rank):
+            self._warn(key, f"{url} is attempt {reply.attempt} rank {reply.node_rank}, not ours")
+            return False
+        if self.ranks.get(key) == rank:  # not untracked meanwhile
+            self._answers += 1
+            self.beats.see(key, self._answers)
+        found = LastCheckpoint.decode(reply.last_checkpoint) if rank.node_rank == 0 else None
+        best = self._reports.get(rank.job)
+        if found is not None and (best is None or found.step > best.step):
+            self._reports[rank.job] = found
+        return True
+
+    def _warn(self, key: tuple[str, str], why: str) -> None:
+        """One line per pod at most every LOG_EVERY_S (a lost node fails every ask)."""
+        now = time.monotonic()
+        if now - self._logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._logged[key] = now
+            log.info("heartbeat of pod %s/%s: %s", key[0], key[1], why)
+
+
+def _host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip
+
+
+async def post(ip: str, port: int, body: bytes, token: str) -> tuple[int, bytes]:
+    """One HTTP/1.1 POST of ``body`` to the heartbeat path, ``Connection: close``; returns
+    (status, body). At most MAX_REPLY bytes are read (a hostile answer cannot grow our
+    memory); the caller bounds the time. The operator image needs no HTTP client library."""
+    reader, writer = await asyncio.open_connection(ip, port)
+    try:
+        head = (
+            f"POST {HEARTBEAT_PATH} HTTP/1.1\r\nHost: {_host(ip)}:{port}\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
+        writer.write(head.encode() + body)
+        await writer.drain()
+        raw = b""
+        while len(raw) <= MAX_REPLY:
+            chunk = await reader.read(MAX_REPLY + 1 - len(raw))
+            if not chunk:
+                break
+            raw += chunk
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    if len(raw) > MAX_REPLY:
+        raise ValueError(f"a reply over {MAX_REPLY} bytes")
+    header, sep, content = raw.partition(b"\r\n\r\n")
+    status_line = header.split(b"\r\n", 1)[0].split()
+    if not sep or len(status_line) < 2 or not status_line[1].isdigit():
+        raise ValueError("not an HTTP reply")
+    return int(status_line[1]), content
+
+
+async def start(channel: HeartbeatChannel, leads: Callable[[], bool]) -> asyncio.Task[None]:
+    """The channel's task on the running loop (kopf's), cancelled by ``stop``."""
+    return asyncio.get_running_loop().create_task(channel.run(leads), name="ctj-heartbeats")
+
+
+async def stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
