@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.server
+import json
 import logging
 import os
 import secrets
@@ -31,6 +32,12 @@ from .builders import DEFAULT_SIDECAR_IMAGE
 from .heartbeats import HeartbeatChannel
 from .kubelet_leases import KubeletLeaseWatch, WatchConfig
 from .leader import ElectionConfig, LeaderElection
+from .network_policy import (
+    NetworkPolicyParams,
+    NetworkPolicyParamsError,
+    PeerSelector,
+    default_prometheus,
+)
 from .runtime import Operator, OperatorConfig
 from .spec import NodeCache, SpecError
 
@@ -53,7 +60,8 @@ def _node_cache(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if port is None and args.node_cache_path:  # the flag of the hostPath cache (before 0.2)
         logging.getLogger("ctj").warning(
             "--node-cache-path / CTJ_NODE_CACHE_PATH is deprecated: the node agent holds the "
-            "cache now; taking it as --node-agent-port %d", NODE_AGENT_PORT
+            "cache now; taking it as --node-agent-port %d",
+            NODE_AGENT_PORT,
         )
         port = NODE_AGENT_PORT
     if port is None:
@@ -93,6 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         help=argparse.SUPPRESS,  # deprecated: the hostPath cache's; means the default port
     )
     parser.add_argument("--node-cache-size", help=argparse.SUPPRESS)  # deprecated, ignored
+    parser.add_argument(
+        "--network-policy",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("CTJ_NETWORK_POLICY", "true").lower() != "false",
+        help="give each job a NetworkPolicy letting in only its own pods, the node agents, "
+        "the operator and Prometheus (default: on; CTJ_NETWORK_POLICY=false: off)",
+    )
+    parser.add_argument(
+        "--prometheus-peer",
+        default=os.environ.get("CTJ_PROMETHEUS_PEER") or None,
+        help='who the job NetworkPolicy lets scrape the metrics port, as JSON {"namespace'
+        'Selector": {...}, "podSelector": {...}}, or "none" (default: pods labelled '
+        "app.kubernetes.io/name=prometheus, in any namespace)",
+    )
     parser.add_argument("--watch-timeout", type=float, default=60.0)
     parser.add_argument("--liveness-port", type=int, default=8081)
     parser.add_argument(
@@ -116,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         sidecar_image=args.sidecar_image or DEFAULT_SIDECAR_IMAGE,
         node_cache=_node_cache(parser, args),
         job_key=_job_key(parser, args.job_key_file),
+        network_policy=_network_policy(parser, args),
     )
     op = Operator(api=Api.connect(api), config=config)
     op.channel = HeartbeatChannel(config.job_key, op.marks.beats)
@@ -197,6 +220,29 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     return 0
+
+
+def _network_policy(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> NetworkPolicyParams | None:
+    if not args.network_policy:
+        return None
+    namespace = args.leader_election_namespace  # the operator's own: POD_NAMESPACE
+    prometheus: PeerSelector | None = default_prometheus()
+    try:
+        if args.prometheus_peer == "none":
+            prometheus = None
+        elif args.prometheus_peer:
+            raw = json.loads(args.prometheus_peer)
+            if not isinstance(raw, dict):
+                raise NetworkPolicyParamsError("give a JSON object")
+            prometheus = PeerSelector(
+                namespace_selector=raw.get("namespaceSelector") or {},
+                pod_selector=raw.get("podSelector") or {},
+            )
+        return NetworkPolicyParams(operator_namespace=namespace, prometheus=prometheus)
+    except (ValueError, NetworkPolicyParamsError) as exc:
+        parser.error(f"--prometheus-peer / --leader-election-namespace: {exc}")
 
 
 def _job_key(parser: argparse.ArgumentParser, path: str | None) -> bytes:

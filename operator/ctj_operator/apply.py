@@ -125,6 +125,7 @@ class Api:
             Kind.POD: _Typed(core, "pod"),
             Kind.SERVICE: _Typed(core, "service"),
             Kind.SECRET: _Typed(core, "secret"),
+            Kind.NETWORK_POLICY: _Typed(client.NetworkingV1Api(api_client), "network_policy"),
             Kind.PYTORCHJOB: _Custom(custom, "kubeflow.org", "v1", "pytorchjobs"),
             Kind.JOB: jobs,
         }

@@ -83,7 +83,13 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
         plan = decide(obs)
         _log_fits(op, uid, namespace, name, obs)
         token = job_token(op.config.job_key, namespace, name, uid)
-        target = Target(body=body, spec=spec, uri=uri, cache_token=token)
+        target = Target(
+            body=body,
+            spec=spec,
+            uri=uri,
+            cache_token=token,
+            network_policy=op.config.network_policy,
+        )
         if op.channel is not None:
             op.channel.want((namespace, name), _heartbeat_ask(uid, spec, state))
     _log_plan(namespace, name, state.attempt, plan)

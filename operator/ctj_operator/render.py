@@ -30,6 +30,7 @@ from .decisions import (
     RequestCheckpoint,
     Restarted,
 )
+from .network_policy import NetworkPolicyParams, build_network_policy
 from .spec import Backend, JobSpec
 
 POD_GRACE_SECONDS = 30
@@ -46,6 +47,7 @@ class Kind(enum.StrEnum):
     POD = "Pod"
     SERVICE = "Service"
     SECRET = "Secret"
+    NETWORK_POLICY = "NetworkPolicy"
     PYTORCHJOB = "PyTorchJob"
     JOB = KIND
 
@@ -73,6 +75,8 @@ class Target:
     uri: str = ""
     cache_token: str = dataclasses.field(default="", repr=False)
     """The job's token (ctj_contract.tokens), for its Secret should it be made."""
+    network_policy: NetworkPolicyParams | None = None
+    """What the job's NetworkPolicy lets in; None: the operator makes none."""
 
     @property
     def namespace(self) -> str:
@@ -118,7 +122,8 @@ def _(action: PatchStatus, target: Target) -> tuple[Call, ...]:
 @render.register
 def _(action: CreateAttempt, target: Target) -> tuple[Call, ...]:
     """The job's Secret first (its token: made once per job, kept across attempts; the
-    pods read it), then the PyTorchJob, or the Service and the pods."""
+    pods read it) and its NetworkPolicy (before any pod, so none runs unguarded), then the
+    PyTorchJob, or the Service and the pods."""
     spec, body, ns = target.job_spec(), dict(target.body), target.namespace
     attempt, world_size, uri, avoid = action.attempt, action.world_size, target.uri, action.avoid
 
@@ -126,6 +131,9 @@ def _(action: CreateAttempt, target: Target) -> tuple[Call, ...]:
         return Call(verb=Verb.CREATE, kind=kind, namespace=ns, body=obj)
 
     calls = [create(Kind.SECRET, builders.build_cache_secret(body, target.cache_token))]
+    if target.network_policy is not None:
+        policy = build_network_policy(body, target.network_policy)
+        calls.append(create(Kind.NETWORK_POLICY, policy))
     if spec.backend == Backend.PYTORCHJOB:
         job = builders.build_pytorchjob(
             body, spec, uri=uri, attempt=attempt, world_size=world_size, avoid=avoid

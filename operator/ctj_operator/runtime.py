@@ -15,6 +15,7 @@ from .builders import DEFAULT_SIDECAR_IMAGE
 from .heartbeats import HeartbeatChannel
 from .leader import LeaderElection
 from .metrics import OperatorMetrics
+from .network_policy import NetworkPolicyParams
 from .observe import Marks
 from .spec import NodeCache
 
@@ -25,6 +26,8 @@ class OperatorConfig:
     """The checkpoint sidecar's image for jobs that name none (--sidecar-image)."""
     node_cache: NodeCache | None = None
     """The node-local chunk cache (--node-cache-path, --node-cache-size); None: off."""
+    network_policy: NetworkPolicyParams | None = None
+    """Each job's NetworkPolicy (network_policy.py); None: none (--no-network-policy)."""
     job_key: bytes = dataclasses.field(default=b"\0" * 32, repr=False)
     """The cluster key each job's token is derived from (--job-key-file; the chart's
     Secret, also the node agents'); ctj_contract.tokens."""

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import pytest
-from ctj_contract import LABEL_ATTEMPT
+from ctj_contract import LABEL_ATTEMPT, LABEL_JOB
 from ctj_operator.apply import Api, Outcome, apply
 from ctj_operator.decisions import (
     Cause,
@@ -64,6 +64,21 @@ def test_an_attempt_is_its_secret_then_its_service_and_pods() -> None:
     assert pod["metadata"]["labels"][LABEL_ATTEMPT] == "3"
     assert "n9" in json.dumps(pod["spec"]["affinity"]["nodeAffinity"])
     assert {c.namespace for c in calls} == {"ml"}
+
+
+def test_with_a_policy_the_attempt_makes_the_job_s_networkpolicy_before_any_pod() -> None:
+    from dataclasses import replace
+
+    from ctj_operator.network_policy import NetworkPolicyParams
+
+    params = NetworkPolicyParams(operator_namespace="ctj-system")
+    calls = render(CreateAttempt(3, 2), replace(target(), network_policy=params))
+    assert shape(calls)[:3] == [
+        ("create", "Secret", "demo-ctj-cache"),
+        ("create", "NetworkPolicy", "demo-ctj"),
+        ("create", "Service", "demo"),
+    ]
+    assert calls[1].body["spec"]["podSelector"] == {"matchLabels": {LABEL_JOB: "demo"}}
 
 
 def test_a_pytorchjob_attempt_is_its_secret_and_one_pytorchjob_and_no_pods() -> None:
