@@ -102,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--node-cache-size", help=argparse.SUPPRESS)  # deprecated, ignored
     parser.add_argument(
+        "--job-key-file",
+        default=os.environ.get("CTJ_JOB_KEY_FILE") or None,
+        help="the cluster key every job's token is derived from (the chart mounts its "
+        "Secret here, as for the node agents; default: CTJ_JOB_KEY_FILE). Unset: a random "
+        "key for this process only, so running jobs' heartbeats are refused after a restart",
+    )
+    parser.add_argument(
         "--network-policy",
         action=argparse.BooleanOptionalAction,
         default=os.environ.get("CTJ_NETWORK_POLICY", "true").lower() != "false",
