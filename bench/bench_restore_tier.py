@@ -43,6 +43,7 @@ import bench_checkpoint as bc
 
 SAVE_WORLD = 3
 LOST = 2  # the node that is lost
+JOB = ("bench", "tier", "uid-1")
 MIB = 1 << 20
 
 
@@ -56,7 +57,13 @@ def _config(args: dict[str, Any], *, tiered: bool) -> Any:
 
     rank = dist.get_rank()
     node: dict[str, Any] = {}
-    if tiered:
+    if tiered and args.get("agents"):  # the node's agent, as in a pod (docs/node-agent.md)
+        ns, name, uid = JOB
+        node = {"node_agent": args["agents"][rank], "job_namespace": ns, "job_name": name,
+                "job_uid": uid, "cache_token": args["token"]}  # fmt: skip
+        if args["peers"][rank]:
+            node.update(cache_peers=tuple(args["peers"][rank]))
+    elif tiered:
         node = {"cache_dir": args["caches"][rank], "cache_max_bytes": 64 << 30}
         if args["peers"][rank]:
             node.update(cache_peers=tuple(args["peers"][rank]), cache_token=args["token"])
@@ -116,11 +123,23 @@ def worker_main(phase: str, args_path: str) -> None:
 
 @dataclasses.dataclass
 class Nodes:
-    """Node cache directories, snapshots of them, and peer servers over the survivors."""
+    """Node cache directories, snapshots of them, and what serves them: with ``via`` "agent"
+    a node agent per node (trainer_sidecar/agent/, as on a cluster: the ranks reach their
+    node's agent over HTTP, and the survivors' sidecars name their agents to a restoring
+    rank), with "dir" each rank reads its node's directory itself and a peer server per
+    node serves it (the tier before the node agent)."""
 
     root: Path
-    token: str = dataclasses.field(default_factory=lambda: secrets.token_hex(16))
+    via: str = "agent"
+    key: bytes = dataclasses.field(default_factory=lambda: secrets.token_bytes(32))
     servers: dict[int, Any] = dataclasses.field(default_factory=dict)
+    agents: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def token(self) -> str:
+        from ctj_contract.tokens import job_token
+
+        return job_token(self.key, *JOB)
 
     def dir(self, node: int) -> Path:
         return self.root / f"node-{node}"
@@ -133,6 +152,7 @@ class Nodes:
     def reset(self, name: str) -> None:
         """Every node's cache as snapshot ``name`` had it, node LOST's gone, a new node
         (SAVE_WORLD) empty: a restore reads through and would otherwise warm the next."""
+        self.stop_agents()
         for n in range(SAVE_WORLD + 1):
             shutil.rmtree(self.dir(n), ignore_errors=True)
             if n == LOST or n == SAVE_WORLD:
@@ -140,15 +160,45 @@ class Nodes:
             else:
                 shutil.copytree(self.root / name / str(n), self.dir(n))
         os.sync()  # the copies' writeback would otherwise land in the timed restore
+        self.start_agents()
+
+    def start_agents(self) -> None:
+        """An agent per node (its index read from the disk, as an agent restarted does)."""
+        from trainer_sidecar.agent.server import serve_agent
+        from trainer_sidecar.agent.store import NodeStore
+
+        if self.via != "agent":
+            return
+        self.stop_agents()
+        for n in range(SAVE_WORLD + 1):
+            self.dir(n).mkdir(parents=True, exist_ok=True)
+            store = NodeStore(self.dir(n), 64 << 30)
+            self.agents[n] = serve_agent(store, key=self.key, host="127.0.0.1")
+
+    def stop_agents(self) -> None:
+        for server in self.agents.values():
+            server.shutdown()
+            server.server_close()
+        self.agents = {}
+
+    def agent(self, n: int) -> str:
+        return f"127.0.0.1:{self.agents[n].server_address[1]}"
 
     def serve(self, nodes: list[int]) -> None:
+        """What each pod on ``nodes`` serves its peers: its node's cache ("dir"), or where
+        its node's agent is ("agent")."""
         from trainer_sidecar.store.chunk_cache import ChunkCache
         from trainer_sidecar.store.peers import serve_cache
 
         self.stop()
         for n in nodes:
-            cache = ChunkCache(self.dir(n), 64 << 30)
-            self.servers[n] = serve_cache(cache, token=self.token, host="127.0.0.1")
+            if self.via == "agent":
+                self.servers[n] = serve_cache(
+                    None, token=self.token, host="127.0.0.1", node_agent=self.agent(n)
+                )  # the agent's address is stable: the agents restart on the same object
+            else:
+                cache = ChunkCache(self.dir(n), 64 << 30)
+                self.servers[n] = serve_cache(cache, token=self.token, host="127.0.0.1")
 
     def stop(self) -> None:
         for server in self.servers.values():
@@ -161,8 +211,11 @@ class Nodes:
 
     def placement(self, nodes: list[int]) -> dict[str, Any]:
         """Rank r on nodes[r]: its cache, and the peers among the other nodes that are up."""
+        if self.via == "agent":
+            self.serve(sorted(self.servers) or [])  # the agents moved: say where they are now
         return {
             "caches": [str(self.dir(n)) for n in nodes],
+            "agents": [self.agent(n) for n in nodes] if self.via == "agent" else None,
             "peers": [
                 [self.address(p) for p in nodes if p != n and p in self.servers] for n in nodes
             ],  # fmt: skip
@@ -172,16 +225,22 @@ class Nodes:
     def replicate(self, manifest: Any) -> int:
         """What each node's sidecar does after the commit (store/replication.py): copy
         the next node's share from its cache; the bytes copied."""
-        from trainer_sidecar.store.chunk_cache import ChunkCache
+        from trainer_sidecar.store.agent_client import AgentCache, job_path
+        from trainer_sidecar.store.chunk_cache import ChunkCache, NodeChunks
         from trainer_sidecar.store.peers import PeerCaches
         from trainer_sidecar.store.replication import replicate
 
         self.serve(list(range(SAVE_WORLD)))
         copied = 0
+        path = job_path(*JOB) if self.via == "agent" else None
         for n in range(SAVE_WORLD):
             others = [self.address(p) for p in range(SAVE_WORLD) if p != n]
-            peers = PeerCaches(others, token=self.token)
-            cache = ChunkCache(self.dir(n), 64 << 30)
+            peers = PeerCaches(others, token=self.token, job_path=path)
+            cache: NodeChunks = (
+                AgentCache(self.agent(n), job_path(*JOB), token=self.token)
+                if self.via == "agent"
+                else ChunkCache(self.dir(n), 64 << 30)
+            )
             copied += replicate(manifest, cache, peers, own=n, pods=SAVE_WORLD)
         return copied
 
@@ -214,7 +273,8 @@ def lost_share(manifest: Any) -> int:
 def run(opts: argparse.Namespace) -> dict[str, Any]:
     shape = bc.StateShape.for_total(opts.total_mib * MIB, opts.tensors)
     root = Path(tempfile.mkdtemp(prefix="ctj-bench-tier-"))
-    nodes = Nodes(root)
+    nodes = Nodes(root, via=opts.via)
+    nodes.start_agents()
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     try:
         with bc.s3_server(opts.endpoint_url, opts.s3) as (endpoint, server, _):
@@ -243,6 +303,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                     )
     finally:
         nodes.stop()
+        nodes.stop_agents()
         shutil.rmtree(root, ignore_errors=True)
     summary = {v: _summary(r) for v, r in runs.items()}
     ratios = {}
@@ -267,6 +328,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             "lost_node": LOST,
             "repeats": opts.repeats,
             "quick": opts.quick,
+            "via": opts.via,
         },  # fmt: skip
         "server": server,
         "machine": bc.machine(),
@@ -316,6 +378,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--total-mib", type=int, default=768, help="state size (default 768)")
     parser.add_argument("--tensors", type=int, default=12, help="tensors in the state")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of the six variants")
+    parser.add_argument(
+        "--via", choices=("agent", "dir"), default="agent",
+        help="the node tier through a node agent per node (as on a cluster, default), or "
+        "each rank reading its node's directory itself (the tier before the agent)",
+    )  # fmt: skip
     bc.add_s3_arguments(parser)
     opts = parser.parse_args(argv)
     if opts.quick:
