@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ctj_contract import Env
+from ctj_contract import NODE_AGENT_PORT, Env
 
 from .errors import CheckpointError
 from .format.chunking import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_SIZE, MIB
@@ -62,6 +62,9 @@ def _enum(field: str, kind: type[enum.StrEnum], value: str) -> Any:
 
 
 TRUST_PICKLED_ENV = "CTJ_TRUST_PICKLED_VALUES"
+CACHE_DIR_ENV = "CTJ_CACHE_DIR"
+CACHE_MAX_BYTES_ENV = "CTJ_CACHE_MAX_BYTES"
+"""A node cache in a directory, for runs outside a cluster (in a pod: the node agent's)."""
 
 
 def _flag(value: str) -> bool:
@@ -156,6 +159,13 @@ class CheckpointConfig:
     """The sidecar serves this node's cache to the peers on this port (None: doesn't)."""
     cache_token: str | None = dataclasses.field(default=None, repr=False)
     """The job's secret for the peer caches (CTJ_CACHE_TOKEN); never logged."""
+    node_agent: str | None = None
+    """host:port of the node agent that holds this node's cache (in a pod: the node's
+    address and the agent's hostPort); used instead of ``cache_dir``, with the job below."""
+    job_namespace: str | None = None
+    job_name: str | None = None
+    job_uid: str | None = None
+    """The job (CTJ_JOB_*): its path on the node agents, which check its token against it."""
     resume_from: str | None = None
     """Seed a run whose location holds no committed checkpoint yet from the newest committed
     one here, read-only (CTJ_RESUME_FROM; spec.checkpoint.resumeFrom): a checkpoint location,
@@ -212,6 +222,14 @@ class CheckpointConfig:
                 "resume_from (the directory of its locations)",
             )
         object.__setattr__(self, "cache_peers", tuple(p for p in self.cache_peers if p))
+        if self.node_agent is not None:
+            job = (self.job_namespace, self.job_name, self.job_uid)
+            if not all(job) or not self.cache_token:
+                raise bad(
+                    "node_agent",
+                    "(CTJ_NODE_AGENT_HOST) needs the job's CTJ_JOB_NAMESPACE, CTJ_JOB_NAME, "
+                    "CTJ_JOB_UID and CTJ_CACHE_TOKEN: the operator sets them together",
+                )
         if (self.cache_peers or self.cache_port is not None) and (
             self.cache_token is None or len(self.cache_token) < 16
         ):
@@ -244,11 +262,15 @@ class CheckpointConfig:
             "metrics_port": ("CTJ_METRICS_PORT", int),
             "attempt": (Env.ATTEMPT, str),
             "trust_pickled_values": (TRUST_PICKLED_ENV, _flag),
-            "cache_dir": (Env.CACHE_DIR, str),
-            "cache_max_bytes": (Env.CACHE_MAX_BYTES, int),
+            "cache_dir": (CACHE_DIR_ENV, str),
+            "cache_max_bytes": (CACHE_MAX_BYTES_ENV, int),
             "cache_peers": (Env.CACHE_PEERS, _peer_list),
             "cache_port": (Env.CACHE_PORT, int),
             "cache_token": (Env.CACHE_TOKEN, str),
+            "node_agent": (Env.NODE_AGENT_HOST, str),
+            "job_namespace": (Env.JOB_NAMESPACE, str),
+            "job_name": (Env.JOB_NAME, str),
+            "job_uid": (Env.JOB_UID, str),
             "resume_from": (Env.RESUME_FROM, str),
             "resume_from_job": (Env.RESUME_FROM_JOB, str),
         }
@@ -263,6 +285,10 @@ class CheckpointConfig:
                     raise CheckpointError(
                         f"{var}={env[var]!r} is not a valid {kind}: set it to {fix}"
                     ) from None
+        if "node_agent" in values:  # the node's address, and the agent's port beside it
+            port = env.get(Env.NODE_AGENT_PORT) or str(NODE_AGENT_PORT)
+            host = values["node_agent"]
+            values["node_agent"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         values.update(overrides)
         if "uri" not in values:
             raise CheckpointError(

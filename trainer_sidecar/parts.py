@@ -17,8 +17,9 @@ from .format.manifest import SaveIdentity
 from .load.tiers import ChunkTiers
 from .metrics import CheckpointMetrics
 from .save.persist import Persister
+from .store.agent_client import AgentCache, job_path
 from .store.base import ObjectStore
-from .store.chunk_cache import ChunkCache
+from .store.chunk_cache import ChunkCache, NodeChunks
 from .store.peers import PeerCaches
 from .store.s3 import S3Settings, open_store
 
@@ -30,28 +31,42 @@ def job_store(
     return open_store(uri, S3Settings.from_env(endpoint_url=endpoint_url, region=region))
 
 
+def job_path_of(config: CheckpointConfig) -> str:
+    """The job's path on the node agents (the config holds all three parts with an agent)."""
+    ns, name, uid = config.job_namespace, config.job_name, config.job_uid
+    assert ns is not None and name is not None and uid is not None
+    return job_path(ns, name, uid)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Parts:
     """What a process of a job reads and writes through."""
 
     config: CheckpointConfig
     store: ObjectStore
-    cache: ChunkCache | None
-    """The node-local chunk cache (CTJ_CACHE_DIR), where there is one."""
+    cache: NodeChunks | None
+    """The node-local chunk cache: the node agent's (CTJ_NODE_AGENT_HOST, in a pod), else a
+    directory (CTJ_CACHE_DIR), where there is one."""
 
     @classmethod
     def open(cls, config: CheckpointConfig, *, store: ObjectStore | None = None) -> Parts:
         """``store``: one the caller made (tests, a wrapped store); else the config's."""
         if store is None:
             store = job_store(config.uri, endpoint_url=config.endpoint_url, region=config.region)
-        cache = ChunkCache(config.cache_dir, config.cache_max_bytes) if config.cache_dir else None
+        cache: NodeChunks | None = None
+        if config.node_agent is not None:
+            assert config.cache_token is not None  # the config checked it
+            cache = AgentCache(config.node_agent, job_path_of(config), token=config.cache_token)
+        elif config.cache_dir:
+            cache = ChunkCache(config.cache_dir, config.cache_max_bytes)
         return cls(config, store, cache)
 
     def peers(self) -> PeerCaches | None:
         """A client of the peers' caches (fresh: it remembers which peer holds what)."""
         if not self.config.cache_peers or not self.config.cache_token:
             return None
-        return PeerCaches(self.config.cache_peers, token=self.config.cache_token)
+        path = job_path_of(self.config) if self.config.node_agent is not None else None
+        return PeerCaches(self.config.cache_peers, token=self.config.cache_token, job_path=path)
 
     def tiers(self) -> ChunkTiers | None:
         """Where a restore reads before the store: the node's cache, then the peers'."""

@@ -47,8 +47,8 @@ def _check(rc: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _bind(source: str, target: str, read_only: bool) -> None:
-    if os.path.isdir(source):
+def _bind(source: str, target: str, read_only: bool, *, is_dir: bool | None = None) -> None:
+    if os.path.isdir(source) if is_dir is None else is_dir:
         os.makedirs(target, exist_ok=True)
     else:
         os.makedirs(os.path.dirname(target) or "/", exist_ok=True)
@@ -98,10 +98,20 @@ def setup(spec: dict) -> None:
     _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
     hostname = spec["hostname"].encode()
     _check(_libc.sethostname(hostname, len(hostname)), "sethostname")
-    for mount in spec["mounts"]:
-        _bind(mount["source"], mount["target"], mount.get("read_only", False))
+    # Every source is opened before anything is mounted: pods share the host's files here,
+    # so a mount over a directory that holds other sources (an emptyDir on /tmp, where the
+    # pods' volumes live) would hide them from the binds after it. A kubelet's sources are
+    # outside the container's root and never hidden; binding from /proc/self/fd does the same.
+    binds = [(m["source"], m["target"], m.get("read_only", False)) for m in spec["mounts"]]
     if spec.get("hosts_file"):
-        _bind(spec["hosts_file"], "/etc/hosts", True)
+        binds.append((spec["hosts_file"], "/etc/hosts", True))
+    opened = [
+        (os.open(source, os.O_PATH), os.path.isdir(source), target, ro)
+        for source, target, ro in binds
+    ]
+    for fd, is_dir, target, read_only in opened:
+        _bind(f"/proc/self/fd/{fd}", target, read_only, is_dir=is_dir)
+        os.close(fd)
     os.chdir(spec.get("working_dir") or "/")
 
 

@@ -14,6 +14,8 @@ import enum
 import re
 from typing import Any
 
+from ctj_contract import NODE_AGENT_PORT
+
 from .quantities import parse_quantity
 
 
@@ -30,20 +32,16 @@ class Backend(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class NodeCache:
-    """The node-local chunk cache: a hostPath per job under ``root`` on every node, bounded
-    to ``size_bytes`` (the operator's --node-cache-path/--node-cache-size; a job may turn it
-    off or change the bound with spec.checkpoint.nodeCache)."""
+    """The node tier is installed: a node agent (the chart's DaemonSet) on every node holds
+    the chunk cache, bounded per node across all jobs, and the pods reach it at their node's
+    address on ``port`` (its hostPort). The operator's --node-agent-port says so (unset: no
+    agent, no node cache); a job may turn it off with spec.checkpoint.nodeCache.enabled."""
 
-    root: str
-    size_bytes: int
+    port: int = NODE_AGENT_PORT
 
     def __post_init__(self) -> None:
-        if not self.root.startswith("/"):
-            raise SpecError(f"node cache path {self.root!r} must be absolute")
-        if self.size_bytes < 64 << 20:
-            raise SpecError(
-                f"spec.checkpoint.nodeCache.sizeLimit is {self.size_bytes} bytes: use 64Mi or more"
-            )
+        if not 0 < self.port < 65536:
+            raise SpecError(f"node agent port {self.port} is not a TCP port (1-65535)")
 
 
 def _backend(raw: object) -> Backend:
@@ -55,19 +53,20 @@ def _backend(raw: object) -> Backend:
 
 
 def _node_cache(raw: dict[str, Any], default: NodeCache | None) -> NodeCache | None:
-    """A job's node cache: the operator's, unless the job turns it off or resizes it."""
+    """A job's node cache: the operator's (where the node agent is installed), unless the
+    job turns it off. ``sizeLimit`` is still accepted and checked, but the agent bounds the
+    cache per node across all jobs (the chart's nodeAgent.maxBytes), not per job."""
     if default is None or raw.get("enabled", True) is False:
         return None
-    if "sizeLimit" not in raw:
-        return default
-    try:
-        size = parse_quantity(str(raw["sizeLimit"]))
-    except ValueError:
-        raise SpecError(
-            f"spec.checkpoint.nodeCache.sizeLimit={raw['sizeLimit']!r} is not a quantity: "
-            "use e.g. 20Gi"
-        ) from None
-    return NodeCache(default.root, int(size))
+    if "sizeLimit" in raw:
+        try:
+            parse_quantity(str(raw["sizeLimit"]))
+        except ValueError:
+            raise SpecError(
+                f"spec.checkpoint.nodeCache.sizeLimit={raw['sizeLimit']!r} is not a quantity: "
+                "use e.g. 20Gi"
+            ) from None
+    return default
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

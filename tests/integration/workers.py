@@ -321,7 +321,16 @@ def save_while_rank1_store_fails(args: dict[str, Any]) -> None:
 def _node_config(args: dict[str, Any]) -> CheckpointConfig:
     """This rank's node: its cache directory, and the peers' cache servers (if any)."""
     rank = dist.get_rank()
-    node = {"cache_dir": args["caches"][rank], "cache_max_bytes": args.get("max_bytes", 1 << 30)}
+    node: dict[str, Any]
+    if args.get("agents"):  # a node agent per node (tests/integration/test_node_agent.py)
+        ns, name, uid = args["job"]
+        node = {"node_agent": args["agents"][rank], "job_namespace": ns, "job_name": name,
+                "job_uid": uid, "cache_token": args["token"]}  # fmt: skip
+    else:
+        node = {
+            "cache_dir": args["caches"][rank],
+            "cache_max_bytes": args.get("max_bytes", 1 << 30),
+        }
     if args.get("peers"):
         node.update(cache_peers=tuple(args["peers"][rank]), cache_token=args["token"])
     return CheckpointConfig(uri=args["uri"], **node, **args.get("config", {}))

@@ -19,7 +19,7 @@ from ctj_operator.spec import JobSpec, NodeCache
 
 BODY = {"metadata": {"name": "demo", "namespace": "ml", "uid": "u-1"}}
 URI = "s3://bucket/jobs/ml/demo-u-1"
-CACHE = NodeCache("/var/lib/ctj/cache", 20 << 30)
+CACHE = NodeCache()
 QOS_RESOURCES = ("cpu", "memory")  # the only ones QoS looks at (extended ones are ignored)
 
 
@@ -95,8 +95,6 @@ def test_the_default_sidecar_requests_exactly_its_limits() -> None:
     default = builders.DEFAULT_SIDECAR_RESOURCES
     assert default["requests"] == default["limits"]
     assert set(default["limits"]) == {"cpu", "memory"}
-    for step in (builders.CACHE_STEP_RESOURCES,):  # the node cache's permission step too
-        assert step["requests"] == step["limits"] and set(step["limits"]) == {"cpu", "memory"}
 
 
 def built(spec: JobSpec) -> dict[str, Any]:
@@ -139,7 +137,8 @@ def test_a_guaranteed_template_builds_a_guaranteed_pod(
         node_cache=CACHE if cached else None,
     )
     pod_spec = built(spec)
-    assert (builders.CACHE_STEP_NAME in {c["name"] for c in pod_spec["initContainers"]}) == cached
+    # no step of ours but the sidecar, node cache on or off (the node agent owns the disk)
+    assert "ctj-cache-permissions" not in {c["name"] for c in pod_spec["initContainers"]}
     assert pod_qos(pod_spec) == "Guaranteed", pod_spec["initContainers"]
     assert sidecar_of(pod_spec)["resources"] == builders.DEFAULT_SIDECAR_RESOURCES
     # the pytorchjob backend's pods carry the same containers of ours (the Kubeflow

@@ -46,7 +46,7 @@ from ..metrics import CheckpointMetrics
 from ..store import commit as commits
 from ..store import repository
 from ..store.base import ObjectStore
-from ..store.chunk_cache import ChunkCache
+from ..store.chunk_cache import NodeChunks
 from ..store.gc_fence import SaveFence
 from . import slots
 from .uploader import StagedFile, UploadSettings, upload_rank
@@ -66,7 +66,7 @@ class Persister:
         metrics: CheckpointMetrics,
         rank: int | None = None,
         versions: dict[str, str] | None = None,
-        cache: ChunkCache | None = None,
+        cache: NodeChunks | None = None,
         on_stored: Callable[[int, SaveIdentity], None] | None = None,
     ) -> None:
         """``on_stored(step, save)``: this persister stored its rank's part of that save

@@ -45,7 +45,7 @@ from ..format.manifest import (
     rank_manifest_key,
 )
 from ..store.base import ObjectStore
-from ..store.chunk_cache import ChunkCache
+from ..store.chunk_cache import NodeChunks
 from ..store.commit import store_part
 from ..store.gc_fence import SaveFence
 
@@ -121,7 +121,7 @@ def upload_rank(
     settings: UploadSettings,
     progress: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
-    cache: ChunkCache | None = None,
+    cache: NodeChunks | None = None,
     fence: SaveFence | None = None,
 ) -> RankPart:
     """Upload the files, store this save's part for the rank, return that part.
