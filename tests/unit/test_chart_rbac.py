@@ -19,8 +19,12 @@ SA = {"kind": "ServiceAccount", "name": "ctj-operator", "namespace": RELEASE_NS}
 Key = tuple[str, str | None, str]  # kind, namespace, name
 
 
-def rbac(helm: Helm, *sets: str) -> dict[Key, Any]:
-    """The operator's roles and bindings (not the users' aggregated ones)."""
+AGENT_SA = {"kind": "ServiceAccount", "name": "ctj-operator-node-agent", "namespace": RELEASE_NS}
+
+
+def rbac(helm: Helm, *sets: str, agent: bool = False) -> dict[Key, Any]:
+    """The operator's roles and bindings (not the users' aggregated ones), or with
+    ``agent`` the node agents' (named ``<release>-node-agent``)."""
     args = ["template", "ctj-operator", str(CHART), "-n", RELEASE_NS, "--set",
             "rbac.aggregateToDefaultRoles=false"]  # fmt: skip
     for s in sets:
@@ -28,18 +32,20 @@ def rbac(helm: Helm, *sets: str) -> dict[Key, Any]:
     return {
         (d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
         for d in yaml.safe_load_all(helm(*args).stdout)
-        if d and d["kind"] in RBAC_KINDS
+        if d and d["kind"] in RBAC_KINDS and d["metadata"]["name"].endswith("-node-agent") == agent
     }
 
 
-def grants(objects: dict[Key, Any]) -> set[tuple[str | None, str, str, str, str]]:
+def grants(
+    objects: dict[Key, Any], sa: dict[str, str] = SA
+) -> set[tuple[str | None, str, str, str, str]]:
     """(namespace or None for cluster-wide, apiGroup, resource, verb, resourceName or "")
     for every rule bound to the operator's ServiceAccount."""
     out = set()
     for (kind, ns, _), binding in objects.items():
         if not kind.endswith("Binding"):
             continue
-        assert binding["subjects"] == [SA]
+        assert binding["subjects"] == [sa]
         ref = binding["roleRef"]
         role = objects[(ref["kind"], ns if ref["kind"] == "Role" else None, ref["name"])]
         for rule in role["rules"]:
@@ -122,5 +128,20 @@ def test_namespaced_mode_writes_only_in_the_watched_namespaces(helm: Helm) -> No
 
 
 def test_no_rbac_objects_when_rbac_create_is_false(helm: Helm) -> None:
-    assert rbac(helm, "rbac.create=false") == {}
-    assert rbac(helm, "rbac.create=false", "operator.watchNamespaces={team-a}") == {}
+    for agent in (False, True):
+        assert rbac(helm, "rbac.create=false", agent=agent) == {}
+        assert (
+            rbac(helm, "rbac.create=false", "operator.watchNamespaces={team-a}", agent=agent) == {}
+        )
+
+
+@pytest.mark.parametrize("sets", [(), ("operator.watchNamespaces={team-a,team-b}",)])
+def test_the_node_agents_may_only_list_and_watch_jobs(helm: Helm, sets: tuple[str, ...]) -> None:
+    """What removes a deleted job's data from the nodes: its uid no longer listed."""
+    rules = grants(rbac(helm, *sets, agent=True), AGENT_SA)
+    where = {None} if not sets else {"team-a", "team-b"}
+    assert rules == {
+        (ns, "training.ctj.dev", "checkpointedtrainingjobs", verb, "")
+        for ns in where
+        for verb in ("list", "watch")
+    }
