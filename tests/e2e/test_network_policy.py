@@ -8,12 +8,14 @@ enforce policies (the test fails where none does: the stranger gets in).
 Connections are real: a probe pod (the sidecar image, restricted Pod Security) runs
 Python's socket.create_connection with a timeout, through `kubectl exec`.
 
-Until the operator creates each job's policy itself, the test applies the one
-ctj_operator.network_policy builds for the job (``the_jobs_policy``).
+The policy is the operator's (``<job>-ctj``, made with the attempt, before its pods):
+the control takes it away for a moment (a stranger then gets in: the ports are served
+and the network carries the connection), and puts the same object back.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import subprocess
 from collections.abc import Iterator
@@ -104,11 +106,24 @@ def connects(
 
 
 def the_jobs_policy(stack: Stack, namespace: str) -> dict[str, Any]:
-    """The policy the operator is to create for the job; applied here until it does."""
-    body = stack.job(namespace, JOB)
-    policy = build_network_policy(body, NetworkPolicyParams(operator_namespace=OPERATOR_NAMESPACE))
-    stack.apply([policy], namespace)
-    return policy
+    """The policy the operator made for the job, as the API server holds it: owned by the
+    job, and what ctj_operator.network_policy builds for it."""
+    found = json.loads(stack.kubectl("-n", namespace, "get", "networkpolicy",
+                                     network_policy_name(JOB), "-o", "json"))  # fmt: skip
+    (owner,) = found["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"]) == ("CheckpointedTrainingJob", JOB)
+    built = build_network_policy(
+        stack.job(namespace, JOB), NetworkPolicyParams(operator_namespace=OPERATOR_NAMESPACE)
+    )
+    assert found["spec"]["podSelector"] == built["spec"]["podSelector"]
+    assert len(found["spec"]["ingress"]) == len(built["spec"]["ingress"])
+    return {
+        "apiVersion": found["apiVersion"],
+        "kind": found["kind"],
+        "metadata": {k: found["metadata"][k] for k in ("name", "labels", "ownerReferences")
+                     if k in found["metadata"]},
+        "spec": found["spec"],
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -146,20 +161,27 @@ def probes(stack: Stack, outside: str, job_namespace: str, ranks: list[Any]) -> 
 
 @pytest.mark.incremental
 class TestNetworkPolicy:
-    def test_without_a_policy_anyone_reaches_a_rank(
-        self, stack: Stack, ranks: list[Any], probes: dict[str, str]
+    state: dict[str, Any] = {}
+
+    def test_without_the_jobs_policy_anyone_reaches_a_rank(
+        self, stack: Stack, job_namespace: str, ranks: list[Any], probes: dict[str, str]
     ) -> None:
-        # the control: the ports are served and the network carries the connection, so a
-        # refusal later is the policy's
+        # the control: the operator's policy taken away, the ports are served and the
+        # network carries the connection, so a refusal later is the policy's
+        self.state["policy"] = the_jobs_policy(stack, job_namespace)
+        stack.kubectl("-n", job_namespace, "delete", "networkpolicy", network_policy_name(JOB))
         rank = ranks[0].status.pod_ip
-        assert connects(stack, probes["stranger"], "stranger", rank, CACHE_PORT)
+        stack.wait(
+            lambda: connects(stack, probes["stranger"], "stranger", rank, CACHE_PORT),
+            "the policy gone (a stranger's connection accepted)",
+            ENFORCED_WITHIN_S,
+        )
         assert connects(stack, probes["neighbour"], "neighbour", rank, METRICS_PORT)
 
     def test_with_the_policy_a_pod_outside_the_job_cannot_connect(
         self, stack: Stack, job_namespace: str, ranks: list[Any], probes: dict[str, str]
     ) -> None:
-        policy = the_jobs_policy(stack, job_namespace)
-        assert policy["metadata"]["name"] == network_policy_name(JOB)
+        stack.apply([self.state["policy"]], job_namespace)  # the operator's, put back
         rank = ranks[0].status.pod_ip
         stack.wait(
             lambda: not connects(stack, probes["stranger"], "stranger", rank, CACHE_PORT),
