@@ -6,8 +6,9 @@
 #   hack/cluster-binaries.sh --kind    (opt-in; hack/kind uses it) build and print what the kind
 #                                      cluster's images are made of: the above's etcd and control
 #                                      plane, plus kind, kubelet/kubeadm/kube-proxy/kubectl (module
-#                                      gomod/k8s-node), CoreDNS, crictl and hack/kind/go's pause
-#                                      and route agent
+#                                      gomod/k8s-node), CoreDNS, crictl, hack/kind/go's pause
+#                                      and route agent, and kube-network-policies (the
+#                                      cluster's NetworkPolicy enforcer, hack/kind/network-policies)
 #   hack/cluster-binaries.sh --kind-check   the same paths, building nothing (exit 3 if missing)
 #
 # Why from source: these machines have no Docker and cannot reach GitHub or dl.k8s.io, only
@@ -107,6 +108,9 @@ extras_dl_kind() {
 }
 
 kubeflow_pkg=github.com/kubeflow/training-operator
+# extras_kube-network-policies DIR: its main package is .../cmd, which `go build -o DIR/`
+# names `cmd`
+extras_kube-network-policies() { mv "$1/bin/cmd" "$1/bin/kube-network-policies"; }
 # extras_NAME DIR: files besides the binaries, put in place before the .complete marker.
 # The training-operator's PyTorchJob CRD and ClusterRole, from the very module it is built from.
 extras_kubeflow() {
@@ -172,6 +176,15 @@ if [ "$mode" = "--kind" ] || [ "$mode" = "--kind-check" ]; then
   coredns_dir="$(recipe_dir coredns "$COREDNS_VERSION" "$hack/gomod/coredns" "$coredns_ldflags")"
   crictl_ldflags="-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$CRI_TOOLS_VERSION"
   crictl_dir="$(recipe_dir crictl "$CRI_TOOLS_VERSION" "$hack/gomod/cri-tools" "$crictl_ldflags")"
+  # kube-network-policies: its module in hack/kind/network-policies, built with one file
+  # of google/nftables replaced (_overlay/nftables-queue.go says why)
+  knp_src="$hack/kind/network-policies"
+  knp_overlay_src="$knp_src/_overlay/nftables-queue.go"
+  knp_ldflags="-s -w"
+  knp_dir="$(recipe_dir kube-network-policies "$KUBE_NETWORK_POLICIES_VERSION" "$knp_src" \
+    "$knp_ldflags" "$(sha256sum < "$knp_overlay_src")")"
+  grep -q "^require sigs.k8s.io/kube-network-policies $KUBE_NETWORK_POLICIES_VERSION\$" "$knp_src/go.mod" \
+    || { log "$knp_src/go.mod does not require kube-network-policies $KUBE_NETWORK_POLICIES_VERSION (hack/versions.env): regenerate it (its header says how)"; exit 1; }
   kind_dir="$(download_pick "$kind_dir" "$(dl_dir kind "$KIND_VERSION")")"
   k8s_node_dir="$(download_pick "$k8s_node_dir" "$(dl_dir k8s-node "$K8S_VERSION")")"
   crictl_dir="$(download_pick "$crictl_dir" "$(dl_dir crictl "$CRI_TOOLS_VERSION")")"
@@ -189,10 +202,11 @@ if [ "$mode" = "--kind" ] || [ "$mode" = "--kind-check" ]; then
     echo "CTJ_COREDNS_BIN_DIR=$coredns_dir/bin"
     echo "CTJ_CRICTL_BIN_DIR=$crictl_dir/bin"
     echo "CTJ_KIND_TOOLS_BIN_DIR=$kind_tools_dir/bin"
+    echo "CTJ_KUBE_NETWORK_POLICIES_BIN_DIR=$knp_dir/bin"
   }
   kmissing=()
   for d in "$etcd_dir" "$k8s_dir" "$kind_dir" "$k8s_node_dir" "$coredns_dir" "$crictl_dir" \
-           "$kind_tools_dir"; do
+           "$kind_tools_dir" "$knp_dir"; do
     [ -f "$d/.complete" ] || kmissing+=("$d")
   done
   if [ "$mode" = "--kind-check" ]; then
@@ -220,6 +234,21 @@ if [ "$mode" = "--kind" ] || [ "$mode" = "--kind-check" ]; then
     download_or_build k8s_node_dir k8s-node "$K8S_VERSION" "$hack/gomod/k8s-node" "$k8s_ldflags" \
       k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubeadm \
       k8s.io/kubernetes/cmd/kube-proxy k8s.io/kubernetes/cmd/kubectl
+  fi
+  if [ ! -f "$knp_dir/.complete" ]; then
+    # Go takes no -overlay of a file in the module cache: the build runs in a copy of our
+    # module whose go.mod replaces google/nftables by a copy of it with that one file ours
+    knp_build="$cache/go/src/kube-network-policies-${knp_dir##*-}"
+    knp_nftables="$(cd "$knp_src" && go mod download github.com/google/nftables \
+      && go list -m -f '{{.Dir}}' github.com/google/nftables)"
+    rm -rf "$knp_build" && mkdir -p "$knp_build"
+    cp "$knp_src"/go.mod "$knp_src"/go.sum "$knp_src"/tools.go "$knp_build/"
+    cp -r "$knp_nftables" "$knp_build/nftables" && chmod -R u+w "$knp_build/nftables"
+    cp "$knp_overlay_src" "$knp_build/nftables/expr/queue.go"
+    printf '\nreplace github.com/google/nftables => ./nftables\n' >> "$knp_build/go.mod"
+    build kube-network-policies "$knp_dir" "$knp_build" "$knp_ldflags" \
+      sigs.k8s.io/kube-network-policies/cmd
+    rm -rf "$knp_build"
   fi
   if (( ${#kmissing[@]} )); then
     log "cold start (download or build) of ${kmissing[*]##*/} took $(( $(date +%s) - t0 ))s"

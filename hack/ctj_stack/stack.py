@@ -364,11 +364,14 @@ class Stack(Harness):
         self._node_control().start_node(node)
 
     def reserved_nodes(self) -> set[str]:
-        """Nodes that run the operator, the S3 server or Kubeflow's controller."""
+        """Nodes that run the operator, the S3 server or Kubeflow's controller (not the
+        node agents: a DaemonSet's pods are on every node, and one lost with its node is
+        what the node-loss test is about)."""
         return {
             p.spec.node_name
             for ns in (OPERATOR_NAMESPACE, S3_NAMESPACE, KUBEFLOW_NAMESPACE)
             for p in self.core.list_namespaced_pod(ns).items
+            if not any(o.kind == "DaemonSet" for o in p.metadata.owner_references or [])
         }
 
     def control_plane_nodes(self) -> list[str]:

@@ -20,6 +20,10 @@
 # store/ (one containerd image store, store.sh), nodes/<cluster>/<node>/containerd (each
 # node's /var/lib/containerd: a hardlinked copy of the store), <cluster>.inputs (what the
 # running cluster was made from). See README.md.
+#
+# NetworkPolicies are enforced (kube-network-policies, one per node: hack/kind/network-policies),
+# installed by up on a new cluster and on one made before it; CTJ_KIND_NETWORK_POLICY=0 leaves
+# it out (policies are then stored but not enforced, as on kind's own network).
 set -euo pipefail
 kind_dir="$(cd "$(dirname "$0")" && pwd)"
 hack="$(cd "$kind_dir/.." && pwd)"
@@ -63,6 +67,21 @@ images_info() {
   NODE_IMAGE="$(sed -n 's/^NODE_IMAGE=//p' <<<"$out")"
   ETCD_TAG="$(sed -n 's/^ETCD_TAG=//p' <<<"$out")"
   COREDNS_TAG="$(sed -n 's/^COREDNS_TAG=//p' <<<"$out")"
+  NETWORK_POLICY_IMAGE="$(sed -n 's/^NETWORK_POLICY_IMAGE=//p' <<<"$out")"
+}
+netpol_on() { [ "${CTJ_KIND_NETWORK_POLICY:-1}" != 0 ]; }
+
+# install_network_policy: the enforcer's DaemonSet (hack/kind/network-policies), applied
+# whether the cluster is new or older than it (kubectl apply: unchanged is a no-op);
+# retried while a just-started API server does not answer yet
+install_network_policy() {
+  netpol_on || return 0
+  local manifest deadline=$(( $(date +%s) + 90 ))
+  manifest="$(sed "s#@IMAGE@#$NETWORK_POLICY_IMAGE#" "$kind_dir/network-policies/kube-network-policies.yaml")"
+  until kubectl apply --request-timeout=10s -f - <<<"$manifest" >/dev/null; do
+    (( $(date +%s) < deadline )) || die "could not apply the NetworkPolicy enforcer (kube-network-policies)"
+    sleep 2
+  done
 }
 
 cluster_exists() { "$KIND" get clusters 2>/dev/null | grep -qx "$cluster"; }
@@ -80,6 +99,12 @@ healthy() {
   proxies="$(kubectl -n kube-system get ds kube-proxy --request-timeout=5s \
     -o jsonpath='{.status.numberReady}/{.status.desiredNumberScheduled}' 2>/dev/null || true)"
   HEALTH="nodes Ready $ready/$want, coredns ${dns:-?}, kube-proxy ${proxies:-?}, ctj-kind-routes ${routes:-?}"
+  local netpol="1/1"
+  if netpol_on; then
+    netpol="$(kubectl -n kube-system get ds kube-network-policies --request-timeout=5s \
+      -o jsonpath='{.status.numberReady}/{.status.desiredNumberScheduled}' 2>/dev/null || true)"
+    HEALTH+=", kube-network-policies ${netpol:-?}"
+  fi
   if [ -n "${SINCE:-}" ]; then
     # nodes just started: a Ready condition can be the one from before they stopped; a
     # kubelet that renewed its Lease since then is the new one
@@ -101,7 +126,7 @@ healthy() {
       if [ -z "$pods" ] || grep -q old <<<"$pods"; then HEALTH+=", ${sel#k8s-app=} pods not Ready again"; return 1; fi
     done
   fi
-  [ "$ready" = "$want" ] && all_of "$dns" && all_of "$routes" && all_of "$proxies"
+  [ "$ready" = "$want" ] && all_of "$dns" && all_of "$routes" && all_of "$proxies" && all_of "$netpol"
 }
 # all_of N/M: N == M > 0
 all_of() { [[ "$1" =~ ^([0-9]+)/([0-9]+)$ ]] && (( BASH_REMATCH[1] == BASH_REMATCH[2] && BASH_REMATCH[2] > 0 )); }
@@ -213,6 +238,13 @@ cmd_up() {
       log "note: cluster $cluster was made from another kind config (node image, workers, tags);"
       log "      '$0 down && $0 up' recreates it from the current ones"
     fi
+    if netpol_on; then
+      # a cluster made before the enforcer was: its nodes' stores are older clones
+      for n in $(node_names); do
+        "$kind_dir/store.sh" link "$n" "$nodes_dir/$n/containerd" "$NETWORK_POLICY_IMAGE"
+      done
+    fi
+    install_network_policy
     if wait_healthy "${CTJ_KIND_WAIT_EXISTING:-180}"; then
       echo "KUBECONFIG=$kubeconfig"; return 0
     fi
@@ -220,6 +252,7 @@ cmd_up() {
     "$KIND" delete cluster --name "$cluster" >&2
   fi
   create
+  install_network_policy
   wait_healthy "${CTJ_KIND_WAIT:-300}" || die "cluster $cluster did not become healthy ($0 status)"
   # images loaded into the store by earlier `load`s are in every node already (cloned)
   log "up in $(( $(date +%s) - t_start ))s"

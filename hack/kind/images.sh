@@ -12,6 +12,13 @@
 #                                   3.6.5-0: cluster.sh sets etcd.local.imageTag)
 #   registry.k8s.io/kube-proxy:v1.34.4  ctj/kind-netbase (debian + iptables, conntrack, ipset)
 #   ctj/kind-routes:<hash>          ctj/kind-netbase + hack/kind/go's route agent (the CNI)
+#   ctj/kube-network-policies:v0.8.0-<hash>   ctj/kind-netbase + kube-network-policies (the
+#                                   NetworkPolicy enforcer cluster.sh installs; built here
+#                                   with one change, hack/kind/network-policies, so never
+#                                   pulled under the upstream's name)
+#   ctj/local-path-provisioner:v0.0.30-<hash>   ctj/debian:bookworm + rancher's
+#                                   local-path-provisioner (hack/kind/local-path): kind's
+#                                   default StorageClass (storage.yaml) and its helper pod
 #   registry.k8s.io/coredns/coredns:v1.15.0   scratch + coredns (kubeadm's default would be
 #                                   v1.12.1: cluster.sh sets dns.imageTag)
 #   registry.k8s.io/pause:3.10, :3.10.1   scratch + hack/kind/go's pause (3.10 is kind's
@@ -139,6 +146,27 @@ image "$routes_tag" "FROM $netbase
 COPY --chmod=0755 bin/ctj-kind-routes /usr/local/bin/
 ENTRYPOINT [\"/usr/local/bin/ctj-kind-routes\"]" "$netbase_id" "$CTJ_KIND_TOOLS_BIN_DIR/ctj-kind-routes"
 
+# The NetworkPolicy enforcer, tagged by its version and build recipe (the directory's hash)
+knp_dir="${CTJ_KUBE_NETWORK_POLICIES_BIN_DIR%/bin}"
+knp_tag="ctj/kube-network-policies:${knp_dir##*/kube-network-policies-}"
+image "$knp_tag" "FROM $netbase
+COPY --chmod=0755 bin/kube-network-policies /usr/local/bin/
+ENTRYPOINT [\"/usr/local/bin/kube-network-policies\"]" "$netbase_id" \
+  "$CTJ_KUBE_NETWORK_POLICIES_BIN_DIR/kube-network-policies"
+
+# kind's default StorageClass (storage.yaml): the provisioner, whose image serves as its
+# helper pod too (sh, mkdir, rm from Debian; it runs as root there, non-root as the
+# provisioner). Tagged by version and build recipe, as the binary's directory is named.
+if [ "$mode" = "--check" ]; then lpp_paths="$("$kind_dir/local-path/build.sh" --check)" || exit 3
+else lpp_paths="$("$kind_dir/local-path/build.sh")"; fi
+eval "$lpp_paths"  # CTJ_LOCAL_PATH_BIN_DIR=...
+lpp_dir="${CTJ_LOCAL_PATH_BIN_DIR%/bin}"
+lpp_tag="ctj/local-path-provisioner:${lpp_dir##*/local-path-provisioner-}"
+image "$lpp_tag" "FROM $base
+COPY --chmod=0755 bin/local-path-provisioner /usr/local/bin/
+ENTRYPOINT [\"/usr/local/bin/local-path-provisioner\"]" "$base_id" \
+  "$CTJ_LOCAL_PATH_BIN_DIR/local-path-provisioner"
+
 PUBLISHED=1 image "registry.k8s.io/coredns/coredns:$coredns_tag" "FROM scratch
 COPY --chmod=0755 bin/coredns /coredns
 EXPOSE 53 53/udp
@@ -164,7 +192,7 @@ for b in "$CTJ_K8S_NODE_BIN_DIR"/{kubelet,kubeadm,kubectl} "$CTJ_CRICTL_BIN_DIR/
 done
 printf '%s' "$K8S_VERSION" > "$node_ctx/kind/version"
 sed "s#@ROUTES_IMAGE@#$routes_tag#" "$kind_dir/cni.yaml" > "$node_ctx/kind/manifests/default-cni.yaml"
-cp "$kind_dir/storage.yaml" "$node_ctx/kind/manifests/default-storage.yaml"
+sed "s#@LOCAL_PATH_IMAGE@#$lpp_tag#g" "$kind_dir/storage.yaml" > "$node_ctx/kind/manifests/default-storage.yaml"
 node_key="$( { cat "$node_ctx/Dockerfile" "$node_ctx/containerd.sed"; (cd "$node_ctx" && find files kind -type f \
   | LC_ALL=C sort | xargs sha256sum); echo "$base_id $CTJ_K8S_NODE_BIN_DIR $CTJ_CRICTL_BIN_DIR"; } \
   | sha256sum | cut -c1-12)"
@@ -195,9 +223,11 @@ if (( ${#stale[@]} )); then log "missing or stale: ${stale[*]}"; exit 3; fi
 for i in "registry.k8s.io/kube-apiserver:$K8S_VERSION" "registry.k8s.io/kube-controller-manager:$K8S_VERSION" \
          "registry.k8s.io/kube-scheduler:$K8S_VERSION" "registry.k8s.io/kube-proxy:$K8S_VERSION" \
          "registry.k8s.io/etcd:$etcd_tag" "registry.k8s.io/coredns/coredns:$coredns_tag" \
-         "registry.k8s.io/pause:3.10" "registry.k8s.io/pause:3.10.1" "$routes_tag"; do
+         "registry.k8s.io/pause:3.10" "registry.k8s.io/pause:3.10.1" "$routes_tag" "$knp_tag" \
+         "$lpp_tag"; do
   echo "IMAGE=$i"
 done
+echo "NETWORK_POLICY_IMAGE=$knp_tag"
 echo "ETCD_TAG=$etcd_tag"
 echo "COREDNS_TAG=$coredns_tag"
 echo "NODE_IMAGE=$node_image"
