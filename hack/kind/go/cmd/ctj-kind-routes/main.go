@@ -68,6 +68,7 @@ type agent struct {
 
 	lastConf   []byte
 	masqUntil  time.Time
+	masqNodes  string // the node addresses CTJ-MASQ last returned for, sorted, joined
 	reconcileC chan struct{}
 }
 
@@ -364,8 +365,18 @@ func (a *agent) reconcile(nodes []nodeInfo) {
 		}
 		log.Printf("route %s via %s removed (its node is gone)", c, via)
 	}
+	var nodeIPs []string
+	for _, n := range nodes {
+		if n.ip != "" {
+			nodeIPs = append(nodeIPs, n.ip)
+		}
+	}
+	sort.Strings(nodeIPs)
+	if joined := strings.Join(nodeIPs, ","); joined != a.masqNodes {
+		a.masqNodes, a.masqUntil = joined, time.Time{} // a node came or went: now
+	}
 	if time.Now().After(a.masqUntil) {
-		if err := a.ensureMasquerade(); err != nil {
+		if err := a.ensureMasquerade(nodeIPs); err != nil {
 			log.Printf("masquerade rules: %v", err)
 		} else {
 			a.masqUntil = time.Now().Add(30 * time.Second)
@@ -461,8 +472,11 @@ func defaultMTU() int {
 }
 
 // ensureMasquerade: nat POSTROUTING -s <pod subnet> -j CTJ-MASQ; CTJ-MASQ returns for
-// destinations in the pod subnets and masquerades the rest.
-func (a *agent) ensureMasquerade() error {
+// destinations in the pod subnets and the nodes' own addresses, and masquerades the rest.
+// Nodes route every pod CIDR, so a pod reaching another node (a hostPort there: ctj's node
+// agent) needs no masquerade, and keeps its own address: a NetworkPolicy that admits the
+// pod by its labels can then see who it is.
+func (a *agent) ensureMasquerade(nodeIPs []string) error {
 	ipt := func(args ...string) (string, error) {
 		return run("iptables", append([]string{"-w", "5", "-t", "nat"}, args...)...)
 	}
@@ -475,8 +489,11 @@ func (a *agent) ensureMasquerade() error {
 	for _, s := range a.podSubnets {
 		body = append(body, []string{"-d", s, "-j", "RETURN"})
 	}
+	for _, ip := range nodeIPs {
+		body = append(body, []string{"-d", ip + "/32", "-j", "RETURN"})
+	}
 	body = append(body, []string{"-j", "MASQUERADE", "--random-fully"})
-	ok := true
+	ok := rulesIn(ipt, len(body))
 	for _, r := range body {
 		if _, err := ipt(append([]string{"-C", masqChain}, r...)...); err != nil {
 			ok = false
@@ -503,6 +520,22 @@ func (a *agent) ensureMasquerade() error {
 		}
 	}
 	return nil
+}
+
+// rulesIn: whether CTJ-MASQ holds exactly n rules (a node gone leaves one too many,
+// which -C alone would not see).
+func rulesIn(ipt func(...string) (string, error), n int) bool {
+	out, err := ipt("-S", masqChain)
+	if err != nil {
+		return false
+	}
+	count := 0
+	for _, line := range strings.Split(out, "\n") {
+		if strings.HasPrefix(line, "-A "+masqChain) {
+			count++
+		}
+	}
+	return count == n
 }
 
 func run(name string, args ...string) (string, error) {
