@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from typing import Any
 
@@ -26,7 +25,7 @@ from ctj_contract.tokens import job_token, tokens_match
 from ..store.agent_client import JOB_PATH, MAX_CHUNK_BYTES
 from ..store.chunk_cache import valid_chunk_id
 from ..store.peer_limits import PeerServerLimits
-from ..store.peer_wire import BadRequest, byte_range, send_file
+from ..store.peer_wire import send_chunk_range
 from ..store.peers import PeerCacheServer, _CacheHandler
 from .store import JobKey, NodeStore
 
@@ -116,21 +115,9 @@ class _AgentHandler(_CacheHandler):
             self._reply(404, b"")
             return
         with f:
-            size = os.fstat(f.fileno()).st_size
-            try:
-                start, end = byte_range(self.headers.get("Range"), size)
-            except BadRequest as exc:
-                self._reply(exc.status, b"")
-                return
-            self.deadline.reset(self.limits.send_deadline_s, "the answer")
-            self.send_response(206)
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
-            self.send_header("Content-Length", str(end - start))
-            self.end_headers()
-            sent = send_file(self.connection, f, start, end - start, self.deadline)
-        if sent != end - start:
-            self.close_connection = True
+            bad = send_chunk_range(self, f, self.deadline, self.limits.send_deadline_s)
+        if bad is not None:
+            self._reply(bad, b"")
 
     def do_PUT(self) -> None:  # noqa: N802
         if not self._authorized():

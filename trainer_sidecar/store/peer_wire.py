@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import http.client
+import http.server
 import io
 import os
 import re
@@ -156,6 +157,34 @@ def byte_range(value: str | None, size: int) -> tuple[int, int]:
     if not 0 <= start < end <= size:
         raise BadRequest(404, f"bytes [{start}, {end}) are not within the {size} held")
     return start, end
+
+
+def send_chunk_range(
+    handler: http.server.BaseHTTPRequestHandler,
+    f: Any,
+    deadline: Deadline,
+    send_deadline_s: float,
+) -> int | None:
+    """Answer a GET for an open chunk file: 206 with the Range asked (the whole file
+    without one), its body copied by the kernel from page cache to the socket (no bytes
+    through Python, no GIL held), within ``send_deadline_s``. A bad Range is returned, as
+    the status for the caller's error reply, and nothing is sent. Entries are never
+    rewritten in place: a file that shrank under us gives a short body, and the
+    connection is closed so the client sees it."""
+    size = os.fstat(f.fileno()).st_size
+    try:
+        start, end = byte_range(handler.headers.get("Range"), size)
+    except BadRequest as exc:
+        return exc.status
+    deadline.reset(send_deadline_s, "the answer")
+    handler.send_response(206)
+    handler.send_header("Content-Type", "application/octet-stream")
+    handler.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+    handler.send_header("Content-Length", str(end - start))
+    handler.end_headers()
+    if send_file(handler.connection, f, start, end - start, deadline) != end - start:
+        handler.close_connection = True
+    return None
 
 
 def bearer_matches(values: Sequence[str] | None, token: bytes) -> bool:

@@ -31,7 +31,6 @@ import dataclasses
 import http.server
 import json
 import logging
-import os
 import socket
 import sys
 import threading
@@ -50,10 +49,9 @@ from .peer_wire import (
     StaleConnection,
     bearer_matches,
     buffered_reader,
-    byte_range,
     content_length,
     resolve,
-    send_file,
+    send_chunk_range,
 )
 
 log = logging.getLogger(__name__)
@@ -165,22 +163,9 @@ class _CacheHandler(http.server.BaseHTTPRequestHandler):
             self._reply(404, b"")
             return
         with f:
-            size = os.fstat(f.fileno()).st_size  # entries are never rewritten in place
-            try:
-                start, end = byte_range(self.headers.get("Range"), size)
-            except BadRequest as exc:
-                self._reply(exc.status, b"")
-                return
-            self.deadline.reset(self.limits.send_deadline_s, "the answer")
-            self.send_response(206)
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
-            self.send_header("Content-Length", str(end - start))
-            self.end_headers()
-            # the kernel copies page cache to socket: no bytes through Python, no GIL held
-            sent = send_file(self.connection, f, start, end - start, self.deadline)
-        if sent != end - start:  # the file shrank under us: the client sees a short body
-            self.close_connection = True
+            bad = send_chunk_range(self, f, self.deadline, self.limits.send_deadline_s)
+        if bad is not None:
+            self._reply(bad, b"")
 
 
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
