@@ -44,6 +44,11 @@ def job_dirs(stack: Stack, operator_namespace: str, namespace: str) -> dict[str,
 def test_a_deleted_jobs_cache_is_gone_from_every_node_within_the_bound(
     stack: Stack, operator_installed: str, job_namespace: str
 ) -> None:
+    # every agent Ready (one on a node the lifecycle scenario stopped and started again
+    # may still be restarting)
+    (daemonset,) = stack.kubectl("get", "daemonset", "-n", operator_installed, "-l",
+                                 AGENT_SELECTOR, "-o", "name").split()  # fmt: skip
+    stack.kubectl("rollout", "status", daemonset, "-n", operator_installed, "--timeout=180s")
     pods = agent_pods(stack, operator_installed)
     assert pods, "the chart installed no node agent"
     job = stack.example_job(JOB, "pods", **TRAINING)
