@@ -79,6 +79,10 @@ class TestJobLifecycle:
         result = loss.record(self.BACKEND)
         scenario.cluster.log(f"node loss: {json.dumps(result)}")
         _record(result)
+        # the survivors' node agents still hold their share (no hostPath in any rank pod,
+        # in a namespace that enforces restricted): rank 0 restored some of it off S3
+        tiers = result["bytes_by_tier"] or {}
+        assert tiers.get("local", 0) + tiers.get("peer", 0) > 0, tiers
 
     def test_the_node_comes_back_and_the_job_grows_to_three(
         self, scenario: Lifecycle, node_control: NodeControl
