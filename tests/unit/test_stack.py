@@ -121,8 +121,12 @@ def test_the_kubeflow_manifest_is_what_its_controller_expects() -> None:
 
 def test_the_s3_manifest_serves_the_bucket_the_example_uses() -> None:
     objects = [o for o in yaml.safe_load_all(st.SEAWEEDFS_MANIFEST.read_text()) if o]
-    deployment = next(o for o in objects if o["kind"] == "Deployment")
-    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    server = next(o for o in objects if o["kind"] == "StatefulSet")
+    args = server["spec"]["template"]["spec"]["containers"][0]["args"]
+    # its data on a claim of its own, not an emptyDir: deleting the pod loses nothing
+    mounts = server["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    claims = [c["metadata"]["name"] for c in server["spec"]["volumeClaimTemplates"]]
+    assert {"name": "data", "mountPath": "/data"} in mounts and claims == ["data"]
     bucket = yaml.safe_load(st.EXAMPLE_JOB.read_text())["spec"]["checkpoint"]["uri"]
     assert f"-bucket={bucket.split('/')[2]}" in args
     service = next(o for o in objects if o["kind"] == "Service")
