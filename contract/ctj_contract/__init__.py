@@ -11,6 +11,7 @@ Plain Python only: the operator imports it without torch, the sidecar without ko
 
 from __future__ import annotations
 
+import calendar
 import dataclasses
 import enum
 import json
@@ -135,6 +136,14 @@ CACHE_TOKEN_KEY = "token"
 def rfc3339(ts: float) -> str:
     """RFC 3339 in UTC to the second (the form the job's status uses)."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def parse_time(value: object) -> float | None:
+    """What ``rfc3339`` writes, read back; None where absent or not such a time."""
+    try:
+        return float(calendar.timegm(time.strptime(str(value), "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return None
 
 
 HEARTBEAT_PATH = "/v1/heartbeat"

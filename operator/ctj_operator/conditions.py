@@ -1,5 +1,9 @@
 """A job's ``status.conditions``, with metav1.Condition semantics: pure.
 
+decisions.py says what each status write changes (``EnterPhase``, ``SetCondition``);
+``written`` makes those changes into the exact list each write sends, from the conditions
+read, the clock and the generation read.
+
 One condition per type (ctj_contract.Condition), each True or False with a reason, a
 message, the time its status last changed and the generation it was set from, so that
 ``kubectl wait --for=condition=Succeeded``, GitOps health checks and dashboards that read
@@ -16,12 +20,13 @@ standard conditions can follow a job. The rules:
 
 from __future__ import annotations
 
-import calendar
-import time
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ctj_contract import Condition, Phase, rfc3339
+
+from .decisions import Action, ConditionChange, EnterPhase, PatchStatus, Plan
 
 PHASE_CONDITION = {
     Phase.PENDING: Condition.QUEUED,
@@ -36,22 +41,8 @@ LEGACY = ("Waiting",)
 """Types older operators wrote and this one replaced (Waiting became Queued)."""
 
 
-def parse_time(value: object) -> float | None:
-    """An RFC 3339 time to the second (what ``rfc3339`` writes), or None where absent or
-    not one."""
-    try:
-        return float(calendar.timegm(time.strptime(str(value), "%Y-%m-%dT%H:%M:%SZ")))
-    except ValueError:
-        return None
-
-
 def find(conditions: Sequence[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
     return next((c for c in conditions if c.get("type") == kind), None)
-
-
-def is_true(conditions: Sequence[Mapping[str, Any]], kind: str) -> bool:
-    found = find(conditions, kind)
-    return found is not None and found.get("status") == "True"
 
 
 def stamped(conditions: Sequence[Mapping[str, Any]], generation: int) -> list[dict[str, Any]]:
@@ -114,11 +105,40 @@ def enter_phase(
     return set_condition(out, own, True, reason, message, now=now, generation=generation)
 
 
-def finished_at(conditions: Sequence[Mapping[str, Any]]) -> float | None:
-    """When the job finished: the lastTransitionTime of its Succeeded or Failed condition
-    that is True (as Kubernetes' TTL controller reads a Job's), or None."""
-    for kind in (Condition.SUCCEEDED, Condition.FAILED):
-        found = find(conditions, kind)
-        if found is not None and found.get("status") == "True":
-            return parse_time(found.get("lastTransitionTime"))
-    return None
+def written(
+    plan: Plan, conditions: Sequence[Mapping[str, Any]], *, now: float, generation: int
+) -> Plan:
+    """``plan`` with each status write's condition changes made into the list it sends,
+    each write's starting from the one before it (the first from ``conditions``)."""
+    current: Sequence[Mapping[str, Any]] = conditions
+    actions: list[Action] = []
+    for action in plan.actions:
+        if isinstance(action, PatchStatus) and action.conditions is not None:
+            for change in action.conditions:
+                current = _changed(current, change, now=now, generation=generation)
+            kept = stamped(current, generation)
+            fields = {**action.fields, "conditions": kept} if kept else action.fields
+            action = PatchStatus(fields)
+        actions.append(action)
+    return dataclasses.replace(plan, actions=tuple(actions))
+
+
+def _changed(
+    conditions: Sequence[Mapping[str, Any]], change: ConditionChange, *, now: float, generation: int
+) -> list[dict[str, Any]]:
+    if isinstance(change, EnterPhase):
+        return enter_phase(
+            conditions, change.phase, change.reason, change.message, now=now, generation=generation
+        )
+    found = find(conditions, change.kind)
+    if change.only_if_true and (found is None or found.get("status") != "True"):
+        return [dict(c) for c in conditions]
+    return set_condition(
+        conditions,
+        change.kind,
+        change.status,
+        change.reason,
+        change.message,
+        now=now,
+        generation=generation,
+    )

@@ -20,9 +20,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ctj_contract import Condition, Phase, rfc3339
+from ctj_contract import Condition, Phase, parse_time, rfc3339
 
-from .conditions import enter_phase, find, finished_at, parse_time, set_condition, stamped
 from .spec import JobSpec
 
 MAX_BACKOFF_S = 300.0
@@ -100,6 +99,20 @@ class JobState:
     selector: str = ""  # the scale subresource's label selector, as written
     start_time: float | None = None  # when the operator first took the job up
 
+    def condition(self, kind: Condition) -> Mapping[str, Any]:
+        """The condition of type ``kind`` as read ({} where the job has none)."""
+        return next((c for c in self.conditions if c.get("type") == kind), {})
+
+    @property
+    def finished_at(self) -> float | None:
+        """When the job finished: the lastTransitionTime of its Succeeded or Failed
+        condition that is True (as Kubernetes' TTL controller reads a Job's), or None."""
+        for kind in (Condition.SUCCEEDED, Condition.FAILED):
+            found = self.condition(kind)
+            if found.get("status") == "True":
+                return parse_time(found.get("lastTransitionTime"))
+        return None
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Observation:
@@ -122,14 +135,43 @@ class Observation:
     """The job's metadata.generation as read (0: unknown, nothing is stamped with it)."""
     selector: str = ""
     """The label selector of the job's pods (for the scale subresource)."""
+    refused: str = ""
+    """Why the API refused an object of the current attempt as it was created (422,
+    quota, admission), as the last reconcile's apply reported it; "" where it did not."""
 
 
 # ---- the actions a plan is made of (handlers.py applies each) ----
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class EnterPhase:
+    """The phase's condition turns True, the other phases' False (conditions.py)."""
+
+    phase: Phase
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SetCondition:
+    kind: Condition
+    status: bool
+    reason: str
+    message: str
+    only_if_true: bool = False
+    """Turn False only a condition that is True now (none is added)."""
+
+
+ConditionChange = EnterPhase | SetCondition
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class PatchStatus:
     fields: Mapping[str, Any]
+    conditions: tuple[ConditionChange, ...] | None = None
+    """What this write changes of ``status.conditions``, made into the exact list by
+    conditions.py (metav1.Condition rules, every condition stamped with the generation
+    read); (): only re-stamped; None: the write leaves them alone."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -230,24 +272,14 @@ def backoff(spec: JobSpec, restarts: int) -> float:
 
 
 def phase_conditions(
-    obs: Observation, phase: Phase, reason: str, message: str, *, restarted: bool = False
-) -> list[dict[str, Any]]:
-    """The conditions on entering ``phase`` (conditions.py); a restart also sets
-    ``Restarted``, why the last attempt ended, which outlives the restart itself."""
-    found = enter_phase(
-        obs.state.conditions, phase, reason, message, now=obs.now, generation=obs.generation
-    )
+    phase: Phase, reason: str, message: str, *, restarted: bool = False
+) -> tuple[ConditionChange, ...]:
+    """Entering ``phase``; a restart also sets ``Restarted``, why the last attempt ended,
+    which outlives the restart itself."""
+    entered = EnterPhase(phase, reason, message)
     if restarted:
-        found = set_condition(
-            found,
-            Condition.RESTARTED,
-            True,
-            reason,
-            message,
-            now=obs.now,
-            generation=obs.generation,
-        )
-    return found
+        return (entered, SetCondition(Condition.RESTARTED, True, reason, message))
+    return (entered,)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -397,26 +429,22 @@ def decide(obs: Observation) -> Plan:
     return _observed(obs, _active(obs))
 
 
-def observed(obs: Observation) -> dict[str, Any]:
+def observed(obs: Observation) -> PatchStatus | None:
     """What status must record of the job as read, whatever the plan: the generation acted
     on (and every condition re-stamped with it), the scale subresource's selector, and,
     once, when the operator took the job up (spec.activeDeadlineSeconds counts from it)."""
     state, update = obs.state, dict[str, Any]()
+    changes: tuple[ConditionChange, ...] | None = None
     if obs.generation and obs.generation != state.observed_generation:
         update["observedGeneration"] = obs.generation
-        conditions = state.conditions
         pending = spec_pending(state, obs.generation)
-        if pending:
-            conditions = set_condition(conditions, Condition.SPEC_PENDING, True,
-                                       "AppliesAtNextAttempt", pending, now=obs.now,
-                                       generation=obs.generation)  # fmt: skip
-        if conditions:
-            update["conditions"] = stamped(conditions, obs.generation)
+        why = SetCondition(Condition.SPEC_PENDING, True, "AppliesAtNextAttempt", pending)
+        changes = (why,) if pending else ()
     if obs.selector and obs.selector != state.selector:
         update["selector"] = obs.selector
     if state.start_time is None and state.phase not in TERMINAL:
         update["startTime"] = rfc3339(obs.now)
-    return update
+    return PatchStatus(update, changes) if update else None
 
 
 def spec_pending(state: JobState, generation: int) -> str:
@@ -434,35 +462,25 @@ def spec_pending(state: JobState, generation: int) -> str:
     )
 
 
-def _applied(conditions: Sequence[Mapping[str, Any]], obs: Observation, attempt: int
-             ) -> list[dict[str, Any]]:  # fmt: skip
-    """A new attempt runs the spec read: a SpecPending condition turns False."""
-    found = find(conditions, Condition.SPEC_PENDING)
-    if found is None or found.get("status") != "True":
-        return [dict(c) for c in conditions]
-    message = f"attempt {attempt} runs generation {obs.generation}"
-    return set_condition(conditions, Condition.SPEC_PENDING, False, "Applied", message,
-                         now=obs.now, generation=obs.generation)  # fmt: skip
-
-
 def _observed(obs: Observation, plan: Plan) -> Plan:
     """``plan`` with ``observed(obs)`` written by its first action (merged into it where
-    that is a status write: the plan's own fields win, being newer)."""
+    that is a status write: the plan's own fields and conditions win, being newer)."""
     update = observed(obs)
-    if not update:
+    if update is None:
         return plan
     first = plan.actions[0] if plan.actions else None
     if isinstance(first, PatchStatus):
-        merged = PatchStatus({**update, **first.fields})
+        changes = update.conditions if first.conditions is None else first.conditions
+        merged = PatchStatus({**update.fields, **first.fields}, changes)
         return dataclasses.replace(plan, actions=(merged, *plan.actions[1:]))
-    return dataclasses.replace(plan, actions=(PatchStatus(update), *plan.actions))
+    return dataclasses.replace(plan, actions=(update, *plan.actions))
 
 
 def _finished(obs: Observation) -> Plan:
     """A Succeeded or Failed job: deleted once its TTL is over; until then, a Failed job
     runs nothing (e.g. the pods created before one the API rejected)."""
     state, ttl = obs.state, obs.spec.ttl_seconds_after_finished
-    finished = finished_at(state.conditions)
+    finished = state.finished_at
     if ttl is not None and finished is not None and obs.now >= finished + ttl:
         return Plan((DeleteJob(finished),), note=f"spec.ttlSecondsAfterFinished={ttl} is over")
     running = tuple(
@@ -498,6 +516,9 @@ def _active(obs: Observation) -> Plan:
         return _fail(obs, current, "DeadlineExceeded", late, actions)
     if state.attempt == 0 or state.phase == "Restarting":
         return _between_attempts(obs, current, actions)
+    if not state.pods_created and obs.refused:  # the attempt fails with the API's reason
+        rejected = Ending("PodRejected", f"the API rejected a pod: {obs.refused}", Cause.CRASH)
+        return _end_attempt(obs, current, rejected, actions)
     if not state.pods_created:  # the operator stopped while creating this attempt
         return Plan(
             (
@@ -517,12 +538,8 @@ def _active(obs: Observation) -> Plan:
             (
                 *actions,
                 PatchStatus(
-                    {
-                        "phase": "Succeeded",
-                        "conditions": phase_conditions(
-                            obs, Phase.SUCCEEDED, "Completed", "every rank exited 0"
-                        ),
-                    }
+                    {"phase": "Succeeded"},
+                    phase_conditions(Phase.SUCCEEDED, "Completed", "every rank exited 0"),
                 ),
                 Emit("Normal", "Succeeded", "every rank exited 0"),
             )
@@ -662,16 +679,14 @@ def _end_attempt(
             "transition": None,
             "suspectNodes": suspect_patch(state.suspect, suspect),
             "sizeCap": ending.size_cap,
-            "conditions": phase_conditions(
-                obs, Phase.RESTARTING, ending.reason, ending.message, restarted=True
-            ),
         }
     )
+    restarting = phase_conditions(Phase.RESTARTING, ending.reason, ending.message, restarted=True)
     kind = "Normal" if ending.cause is Cause.PLANNED else "Warning"
     return Plan(
         (
             *actions,
-            PatchStatus(update),
+            PatchStatus(update, restarting),
             Emit(kind, ending.reason, f"restarting: {ending.message}"),
             Restarted(ending.reason, ending.cause),
             *_teardown(obs, current, suspect),
@@ -690,15 +705,11 @@ def _fail(
     update: Mapping[str, Any] | None = None,
 ) -> Plan:
     """The job gives up: Failed (final), the attempt's pods removed, its checkpoints kept."""
-    failed = {
-        **(update or {}),
-        "phase": "Failed",
-        "conditions": phase_conditions(obs, Phase.FAILED, reason, message),
-    }
-    teardown = _teardown(obs, current) if obs.state.attempt else []
-    return Plan(
-        (*actions, PatchStatus(failed), *teardown, Emit("Warning", reason, message)),
+    failed = PatchStatus(
+        {**(update or {}), "phase": "Failed"}, phase_conditions(Phase.FAILED, reason, message)
     )
+    teardown = _teardown(obs, current) if obs.state.attempt else []
+    return Plan((*actions, failed, *teardown, Emit("Warning", reason, message)))
 
 
 def _teardown(
@@ -763,23 +774,15 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
         message = f"{fits} nodes can run a rank; the job needs at least {spec.min_replicas}"
         if obs.rejected:
             message += f" ({obs.rejected})"
-        queued = find(state.conditions, Condition.QUEUED) or {}
+        queued = state.condition(Condition.QUEUED)
         if (queued.get("status"), queued.get("reason"), queued.get("message")) != (
             "True",
             "InsufficientNodes",
             message,
         ):
-            why = (Condition.QUEUED, True, "InsufficientNodes", message)
-            actions.append(
-                PatchStatus(
-                    {
-                        "phase": state.phase if state.attempt else "Pending",
-                        "conditions": set_condition(
-                            state.conditions, *why, now=now, generation=obs.generation
-                        ),
-                    }
-                )
-            )
+            why = SetCondition(Condition.QUEUED, True, "InsufficientNodes", message)
+            phase = state.phase if state.attempt else "Pending"
+            actions.append(PatchStatus({"phase": phase}, (why,)))
             actions.append(Emit("Warning", "InsufficientNodes", message))
         return Plan(tuple(actions), requeue_after=5.0, note="insufficient nodes")
     attempt = state.attempt + 1
@@ -797,10 +800,13 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
         "teardownSince": None,
         "sizeCap": None,
         "transition": None,
-        "conditions": _applied(
-            phase_conditions(obs, Phase.RUNNING, "Started", message), obs, attempt
-        ),
     }
+    # the new attempt runs the spec read: a SpecPending condition turns False
+    applied = f"attempt {attempt} runs generation {obs.generation}"
+    started = (
+        *phase_conditions(Phase.RUNNING, "Started", message),
+        SetCondition(Condition.SPEC_PENDING, False, "Applied", applied, only_if_true=True),
+    )
     if obs.generation:
         start["attemptGeneration"] = obs.generation
     if state.storage is None:
@@ -808,7 +814,7 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
     return Plan(
         (
             *[a for a in actions if not isinstance(a, PatchStatus)],
-            PatchStatus(start),
+            PatchStatus(start, started),
             Emit("Normal", "AttemptStarted", message),
             CreateAttempt(attempt, target, tuple(sorted(suspect))),
             PatchStatus({"podsCreated": True}),
@@ -816,35 +822,18 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
     )
 
 
-def invalid_spec(state: JobState, message: str, now: float, generation: int = 0) -> Plan:
+def invalid_spec(state: JobState, message: str, generation: int = 0) -> Plan:
     """A spec that cannot work fails the job, once, with a condition naming the field (the
     CRD's rules refuse such a spec at apply: this is for a job stored before them)."""
     if state.phase == "Failed":
         if generation and generation != state.observed_generation:
-            seen = {"observedGeneration": generation}
-            return Plan(
-                (PatchStatus({**seen, "conditions": stamped(state.conditions, generation)}),)
-            )
+            return Plan((PatchStatus({"observedGeneration": generation}, ()),))
         return Plan(note="failed: invalid spec")
-    failed = {
-        "phase": "Failed",
-        "conditions": enter_phase(
-            state.conditions, Phase.FAILED, "InvalidSpec", message, now=now, generation=generation
-        ),
-        **({"observedGeneration": generation} if generation else {}),
-    }
-    return Plan((PatchStatus(failed), Emit("Warning", "InvalidSpec", message)))
-
-
-def pod_rejected(obs: Observation, attempt: int, world_size: int, message: str) -> Plan:
-    """The API refused a pod of the attempt just started (422, quota, admission): the
-    attempt fails with the API's reason, counted and backed off like a crash, never a
-    silent retry; at maxRestarts the job fails with it."""
-    state = dataclasses.replace(
-        obs.state, phase="Running", attempt=attempt, world_size=world_size, healthy_since=None
+    failed = PatchStatus(
+        {"phase": "Failed", **({"observedGeneration": generation} if generation else {})},
+        (EnterPhase(Phase.FAILED, "InvalidSpec", message),),
     )
-    ending = Ending("PodRejected", f"the API rejected a pod: {message}", Cause.CRASH)
-    return _end_attempt(dataclasses.replace(obs, state=state), [], ending, [])
+    return Plan((failed, Emit("Warning", "InvalidSpec", message)))
 
 
 def job_state(status: Mapping[str, Any]) -> JobState:

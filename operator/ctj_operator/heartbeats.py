@@ -27,10 +27,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ctj_contract import HEARTBEAT_PATH, HeartbeatAsk, HeartbeatReply, LastCheckpoint
+from ctj_contract import HEARTBEAT_PATH, HeartbeatAsk, HeartbeatReply, LastCheckpoint, Phase
 from ctj_contract.tokens import job_token
 
 from .builders import METRICS_PORT
+from .decisions import JobState
 from .observe import Freshness, JobKey
 
 log = logging.getLogger("ctj.operator.heartbeat")
@@ -61,6 +62,18 @@ class JobAsk:
     ended: bool
     request: str | None
     period_s: float
+
+    @classmethod
+    def of(cls, uid: str, state: JobState, period_s: float) -> JobAsk:
+        """From the job's status alone (an operator that restarts says the same): the
+        attempt, whether it is over, the checkpoint request of a planned transition."""
+        return cls(
+            uid=uid,
+            attempt=state.attempt,
+            ended=state.phase in (Phase.RESTARTING, Phase.SUCCEEDED, Phase.FAILED),
+            request=state.transition.request_id if state.transition else None,
+            period_s=period_s,
+        )
 
     def ask_for(self, rank: Rank) -> HeartbeatAsk:
         """A pod of an older attempt is told its attempt is over; only the current

@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ctj_contract import Phase
+from ctj_contract import Phase, parse_time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .conditions import parse_time
 from .decisions import Action, PatchStatus, Recovered, Restarted
 
 PHASES = tuple(Phase)

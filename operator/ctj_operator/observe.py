@@ -216,10 +216,12 @@ def observe(
     read_pytorchjob: ReadPyTorchJob,
     generation: int = 0,
     last_checkpoint: Mapping[str, Any] | None = None,
+    refused: str = "",
 ) -> Observation:
     """One job's view of the cluster, from memory (and one GET for a PyTorchJob only
     where its CRD appeared after start-up). ``generation``: the job's, as read;
-    ``last_checkpoint``: what its rank 0 last reported (heartbeats.py)."""
+    ``last_checkpoint``: what its rank 0 last reported (heartbeats.py); ``refused``: why
+    the API refused an object of the current attempt as it was created."""
     namespace, name = key
     nodes = [n for found in indexes.nodes.values() for n in found]
     pods = [
@@ -230,8 +232,8 @@ def observe(
     failure = ""
     if spec.backend == Backend.PYTORCHJOB and state.attempt and state.pods_created:
         failure = _pytorchjob_failure(key, state.attempt, indexes.pytorchjobs, read_pytorchjob)
-    footprint = rank_footprint(spec)
-    fit = capacity.fitting_nodes_with(footprint, nodes, _used_by_others(indexes, key))
+    used = _used_by_others(indexes, key)  # what other jobs' pods hold on each node
+    fit = capacity.fitting_nodes_with(rank_footprint(spec), nodes, used)
     return Observation(
         spec=spec,
         state=state,
@@ -250,6 +252,7 @@ def observe(
         rejected=capacity.summarize_rejections(fit.rejected),
         generation=generation,
         selector=job_selector(name),
+        refused=refused,
     )
 
 

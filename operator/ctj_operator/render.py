@@ -107,6 +107,8 @@ def render(action: Action, target: Target) -> tuple[Call, ...]:
 
 @render.register
 def _(action: PatchStatus, target: Target) -> tuple[Call, ...]:
+    if action.conditions is not None:  # a write's condition changes are not a patch yet
+        raise ValueError("a status write's conditions go through conditions.written first")
     body = {"status": dict(action.fields)}
     return (
         Call(

@@ -49,6 +49,9 @@ class Operator:
     a lagging watch's, and is not acted on."""
     fits_logged: dict[str, int] = dataclasses.field(default_factory=dict)
     """Job uid -> how many nodes fit a rank when it was last logged."""
+    refused: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    """Job uid -> (attempt, why the API refused one of its objects as it was created):
+    the next reconcile ends that attempt with the reason."""
 
     def leads(self) -> bool:
         return self.leader is None or self.leader.is_leader()
@@ -64,3 +67,4 @@ class Operator:
     def forget(self, uid: str) -> None:
         self.written.pop(uid, None)
         self.fits_logged.pop(uid, None)
+        self.refused.pop(uid, None)

@@ -7,25 +7,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ctj_contract import Phase
-from ctj_operator.conditions import (
-    enter_phase,
-    finished_at,
-    parse_time,
-    set_condition,
-    stamped,
-)
-from ctj_operator.decisions import (
-    JobState,
-    Observation,
-    Plan,
-    decide,
-    invalid_spec,
-    job_state,
-    pod_rejected,
-)
+from ctj_contract import Phase, parse_time
+from ctj_operator.conditions import enter_phase, set_condition, stamped, written
+from ctj_operator.decisions import JobState, Observation, Plan, invalid_spec, job_state
 
-from tests.unit.test_decisions import RUNNING3, nodes, observe, pod, pods
+from tests.unit.test_decisions import RUNNING3, decide, nodes, observe, pod, pods
 
 T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 PHASES = ("Queued", "Running", "Restarting", "Succeeded", "Failed")
@@ -126,11 +112,11 @@ def test_an_older_operators_conditions_are_taken_over() -> None:
 
 def test_a_job_finished_when_its_succeeded_or_failed_condition_turned_true() -> None:
     running = enter_phase([], Phase.RUNNING, "Started", "m", now=T0, generation=1)
-    assert finished_at(running) is None  # Succeeded and Failed are False
+    assert JobState(conditions=running).finished_at is None  # Succeeded and Failed are False
     done = enter_phase(running, Phase.SUCCEEDED, "Completed", "m", now=T0 + 5, generation=1)
-    assert finished_at(done) == T0 + 5
+    assert JobState(conditions=done).finished_at == T0 + 5
     failed = enter_phase(running, Phase.FAILED, "DeadlineExceeded", "m", now=T0 + 7, generation=1)
-    assert finished_at(failed) == T0 + 7
+    assert JobState(conditions=failed).finished_at == T0 + 7
     assert parse_time("2027-01-15T08:00:00Z") == T0
     assert parse_time("yesterday") is None
 
@@ -227,19 +213,21 @@ def test_the_scale_selector_and_the_start_time_are_written_once() -> None:
 
 
 def test_an_invalid_spec_fails_the_job_with_standard_conditions() -> None:
-    plan = invalid_spec(JobState(), "spec.backend='mpi': use pods or pytorchjob", T0, 2)
-    written = plan.status()
-    assert written["phase"] == "Failed" and written["observedGeneration"] == 2
-    assert by_type(written["conditions"])["Failed"]["reason"] == "InvalidSpec"
-    failed = job_state(written)
-    assert invalid_spec(failed, "same", T0 + 1, 2).actions == ()
-    edited = invalid_spec(failed, "same", T0 + 1, 3).status()
-    assert edited["observedGeneration"] == 3 and "phase" not in edited
+    plan = invalid_spec(JobState(), "spec.backend='mpi': use pods or pytorchjob", 2)
+    status = written(plan, (), now=T0, generation=2).status()
+    assert status["phase"] == "Failed" and status["observedGeneration"] == 2
+    assert by_type(status["conditions"])["Failed"]["reason"] == "InvalidSpec"
+    failed = job_state(status)
+    assert invalid_spec(failed, "same", 2).actions == ()
+    edited = written(invalid_spec(failed, "same", 3), failed.conditions, now=T0 + 1, generation=3)
+    assert edited.status()["observedGeneration"] == 3 and "phase" not in edited.status()
+    assert {c["observedGeneration"] for c in edited.status()["conditions"]} == {3}
 
 
 def test_a_rejected_pod_restarts_with_standard_conditions() -> None:
-    obs = seen(JobState(), T0)
-    plan = pod_rejected(obs, 1, 3, "exceeded quota")
+    # the attempt's status is written, then its pods are refused: podsCreated stays False
+    started = dataclasses.replace(at(JobState(), decide(seen(JobState(), T0))), pods_created=False)
+    plan = decide(seen(started, T0 + 1, refused="exceeded quota"))
     conditions = by_type(plan.status()["conditions"])
     assert conditions["Restarting"]["status"] == conditions["Restarted"]["status"] == "True"
     assert conditions["Running"]["status"] == "False"

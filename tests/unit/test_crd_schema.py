@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 from ctj_contract import Condition, Phase
-from ctj_operator.conditions import enter_phase
-from ctj_operator.decisions import JobState, Transition, decide, invalid_spec, pod_rejected
+from ctj_operator.conditions import enter_phase, written
+from ctj_operator.decisions import JobState, Transition, invalid_spec
 from ctj_stack.crd_schema import (
     QUANTITY_PATTERN,
     properties_of,
@@ -24,7 +24,7 @@ from ctj_stack.crd_schema import (
     structural,
 )
 
-from tests.unit.test_decisions import RUNNING3, nodes, observe, pod, pods, spec
+from tests.unit.test_decisions import RUNNING3, decide, nodes, observe, pod, pods, spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "training.ctj.dev_checkpointedtrainingjobs.yaml"
@@ -152,12 +152,14 @@ def test_every_status_field_the_operator_writes_is_declared() -> None:
                 selector="s",
             )
         ),
-        pod_rejected(observe(JobState(), [], nodes(3)), 1, 3, "no"),
-        invalid_spec(JobState(), "bad", 0.0, 1),
+        decide(
+            observe(dataclasses.replace(RUNNING3, pods_created=False), [], nodes(3), refused="no")
+        ),
+        written(invalid_spec(JobState(), "bad", 1), (), now=0.0, generation=1),
     ]
-    written = set().union(*(p.status().keys() for p in plans))
-    assert written - set(declared) == set()
-    assert {"observedGeneration", "selector", "startTime", "conditions", "transition"} <= written
+    fields = set().union(*(p.status().keys() for p in plans))
+    assert fields - set(declared) == set()
+    assert {"observedGeneration", "selector", "startTime", "conditions", "transition"} <= fields
 
 
 # ---- the generator, on small documents ----

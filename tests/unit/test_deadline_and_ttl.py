@@ -15,11 +15,10 @@ from ctj_operator.decisions import (
     DeletePods,
     Emit,
     JobState,
-    decide,
 )
 from ctj_operator.spec import SpecError
 
-from tests.unit.test_decisions import RUNNING3, nodes, observe, pod, pods, spec
+from tests.unit.test_decisions import RUNNING3, decide, nodes, observe, pod, pods, spec
 
 T0 = 1_800_000_000.0
 

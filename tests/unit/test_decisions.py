@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+from ctj_operator import conditions, decisions
 from ctj_operator.decisions import (
     Cause,
     CreateAttempt,
@@ -21,9 +22,7 @@ from ctj_operator.decisions import (
     Restarted,
     Transition,
     backoff,
-    decide,
     job_state,
-    pod_rejected,
 )
 from ctj_operator.spec import JobSpec, SpecError
 
@@ -80,6 +79,7 @@ def observe(
     beats: dict[int, float | None] | None = None,
     last_checkpoint: dict[str, Any] | None = None,
     controller_failure: str = "",
+    refused: str = "",
 ) -> Observation:
     usable = [n.name for n in the_nodes if n.ready and not n.cordoned]
     return Observation(
@@ -93,7 +93,15 @@ def observe(
         uri="s3://b/p/ns/job-uid",
         now=now,
         controller_failure=controller_failure,
+        refused=refused,
     )
+
+
+def decide(obs: Observation) -> Plan:
+    """The plan a reconcile sends for ``obs``: ``decisions.decide``, its condition changes
+    made into the lists each status write carries (conditions.written), as in reconcile.py."""
+    plan = decisions.decide(obs)
+    return conditions.written(plan, obs.state.conditions, now=obs.now, generation=obs.generation)
 
 
 def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -393,15 +401,21 @@ def test_every_mutating_plan_starts_with_a_status_write() -> None:
 
 
 def test_a_rejected_pod_fails_the_attempt_with_the_apis_reason() -> None:
-    obs = observe(JobState(), [], nodes(3))
-    plan = pod_rejected(obs, 1, 3, 'pods "x" is forbidden: exceeded quota')
+    """The API refused an object as the attempt was created (reconcile.py notes it): the
+    next reconcile ends the attempt with the reason, counted and backed off like a crash,
+    the objects created before the refused one removed; never a silent retry."""
+    created = dataclasses.replace(RUNNING3, pods_created=False, attempt_started=0.0)
+    assert what(decide(observe(created, [], nodes(3)))) == "create 3"  # not refused: again
+    why = 'pods "x" is forbidden: exceeded quota'
+    plan = decide(observe(created, pods(1), nodes(3), refused=why))
     assert what(plan) == f"restart PodRejected {Cause.CRASH}"
     assert "exceeded quota" in condition(plan.status(), "Restarted")["message"]
     assert plan.status()["restarts"] == 1 and plan.status()["notBefore"] == 2.0
-    exhausted = pod_rejected(
-        observe(JobState(restarts=2, phase="Restarting", attempt=2), [], nodes(3)), 3, 3, "no"
+    assert DeletePods(("a1-0",)) in plan.actions
+    exhausted = dataclasses.replace(created, restarts=2, attempt=3)
+    assert what(decide(observe(exhausted, [], nodes(3), refused="no"))) == (
+        "fail MaxRestartsExceeded"
     )
-    assert what(exhausted) == "fail MaxRestartsExceeded"
 
 
 def test_the_last_checkpoint_reaches_status_from_the_job() -> None:
