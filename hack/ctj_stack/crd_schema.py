@@ -49,6 +49,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ctj_operator.names import crd_validations
+
 ROOT = Path(__file__).resolve().parents[2]
 CRD_NAME = "training.ctj.dev_checkpointedtrainingjobs.yaml"
 CRDS = (ROOT / "crds" / CRD_NAME, ROOT / "charts" / "ctj" / "crds" / CRD_NAME)
@@ -72,14 +74,8 @@ QUANTITY_PATTERN = (
 )
 
 
-def _name_rules() -> dict[str, Any]:
-    from ctj_operator.names import crd_validations
-
-    return crd_validations()
-
-
 LOCAL_BLOCKS: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
-    "ctj_operator.names.crd_validations": ("operator/ctj_operator/names.py", _name_rules),
+    "ctj_operator.names.crd_validations": ("operator/ctj_operator/names.py", crd_validations),
 }
 """Blocks written from ctj's own code, not from the API server's OpenAPI: name -> (the
 file it comes from, a function returning the YAML mapping to write)."""
