@@ -46,20 +46,27 @@ def test_defaults_render_the_operator_and_no_service_monitor(helm: Helm) -> None
     kinds = sorted(k for k, _ in objects)
     assert kinds == [
         "ClusterRole",  # the operator's, where jobs run
-        "ClusterRole",  # the operator's: list/watch Nodes
         "ClusterRole",  # users': aggregated into edit/admin
+        "ClusterRole",  # the node agents': list jobs (to drop a deleted job's cache)
+        "ClusterRole",  # the operator's: list/watch Nodes
         "ClusterRole",  # users': aggregated into view
         "ClusterRoleBinding",
         "ClusterRoleBinding",
+        "ClusterRoleBinding",
         "ConfigMap",
+        "DaemonSet",  # the node agents: the node tier of the chunk cache
         "Deployment",
+        "NetworkPolicy",  # who reaches the node agents
+        "NetworkPolicy",  # who reaches the operator
         "PodDisruptionBudget",
-        "Role",  # its leader Lease, in its own namespace
         "Role",  # reading kubelet Leases in kube-node-lease
+        "Role",  # its leader Lease, in its own namespace
         "RoleBinding",
         "RoleBinding",
+        "Secret",  # the cluster key jobs' tokens derive from (operator and agents)
         "Service",
         "ServiceAccount",
+        "ServiceAccount",  # the node agents'
     ]
     # release "ctj-operator" gives deploy/operator-rbac.yaml's names
     assert ("ServiceAccount", "ctj-operator") in objects
@@ -72,11 +79,17 @@ def test_defaults_render_the_operator_and_no_service_monitor(helm: Helm) -> None
     (container,) = pod["containers"]
     assert container["image"] == "ghcr.io/ctj/operator:0.1.0"
     assert "command" not in container  # the image's ENTRYPOINT: python -m ctj_operator
-    assert container["args"] == [
+    assert container["args"][:3] == [
         "--metrics-port=8080",
         "--liveness-port=8081",
         "--watch-timeout=60",
     ]
+    # who may scrape the jobs' metrics ports, through each job's NetworkPolicy
+    (peer,) = container["args"][3:]
+    assert json.loads(peer.removeprefix("--prometheus-peer=")) == {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"metrics": 8080, "liveness": 8081}
     probe = container["livenessProbe"]["httpGet"]
@@ -90,6 +103,7 @@ def test_defaults_render_the_operator_and_no_service_monitor(helm: Helm) -> None
     assert container["resources"]["requests"] and container["resources"]["limits"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["CTJ_SIDECAR_IMAGE"] == "ghcr.io/ctj/sidecar:0.1.0"
+    assert env["CTJ_JOB_KEY_FILE"] == "/etc/ctj/key/key"  # the cluster key, from its Secret
     service = the(objects, "Service")
     assert service["spec"]["ports"] == [
         {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}
@@ -99,7 +113,7 @@ def test_defaults_render_the_operator_and_no_service_monitor(helm: Helm) -> None
         <= deployment["spec"]["template"]["metadata"]["labels"].items()
     )
     # the operator never touches S3: no cloud identity on its ServiceAccount
-    assert "annotations" not in the(objects, "ServiceAccount")["metadata"]
+    assert "annotations" not in objects["ServiceAccount", "ctj-operator"]["metadata"]
     (subject,) = objects["ClusterRoleBinding", "ctj-operator"]["subjects"]
     assert subject == {"kind": "ServiceAccount", "name": "ctj-operator", "namespace": "ctj-system"}
 
@@ -112,7 +126,7 @@ def test_values_reach_the_operator(helm: Helm) -> None:
     )
     (container,) = the(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "ghcr.io/ctj/operator:dev"
-    assert container["args"][-2:] == ["--namespace=team-a", "--namespace=team-b"]
+    assert container["args"][3:5] == ["--namespace=team-a", "--namespace=team-b"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["CTJ_SIDECAR_IMAGE"] == "registry.local/trainer:t1"
 

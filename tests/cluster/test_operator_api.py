@@ -21,6 +21,7 @@ import pytest
 from ctj_contract import GROUP, PLURAL, VERSION
 from ctj_devcluster import Binaries, Cluster, ClusterConfig
 from ctj_operator.apply import Api, Outcome, apply
+from ctj_operator.conditions import written
 from ctj_operator.decisions import (
     DeleteJob,
     Observation,
@@ -221,7 +222,8 @@ def test_the_backend_cannot_change_mid_run_and_the_next_attempts_fields_can(
 
 def operator_writes(cluster: Cluster, ns: str, name: str, **seen: Any) -> dict[str, Any]:
     """One reconcile's status writes: the job read, the decisions made from it (``seen``:
-    the Observation's pods, fits, now), their status writes rendered and applied through
+    the Observation's pods, fits, now) and their conditions written, as reconcile.py does;
+    the status writes rendered and applied through
     the operator's API client. Returns the job after them."""
     job = get_job(cluster, ns, name)
     spec = JobSpec.parse(job["spec"])
@@ -236,7 +238,7 @@ def operator_writes(cluster: Cluster, ns: str, name: str, **seen: Any) -> dict[s
         generation=job["metadata"]["generation"],
         selector=job_selector(name),
     )
-    plan = decide(obs)
+    plan = written(decide(obs), obs.state.conditions, now=obs.now, generation=obs.generation)
     writes = Plan(tuple(a for a in plan.actions if isinstance(a, PatchStatus)))
     outcome = apply(
         render_plan(writes, Target(body=job, spec=spec)),
