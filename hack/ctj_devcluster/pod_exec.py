@@ -10,7 +10,8 @@ nothing of ours is imported into, or left in the environment of, the container).
    every mount private, so nothing below leaks to the host,
 3. sets the pod's hostname, bind-mounts the pod's volumes at their mountPaths (creating
    missing mount points on the host: empty directories, harmless) and the namespace's
-   hosts file on /etc/hosts, which is how cluster DNS names resolve,
+   hosts file on /etc/hosts, which is how cluster DNS names resolve, then binds back any
+   of the "image" roots (the Python environment, the checkout) a volume covered,
 4. chdirs to workingDir, forks and execs the command with exactly the container's
    environment, waits for it (SIGTERM to the group reaches the command directly), then kills
    whatever the command left in the group and exits with its code (128+N for signal N).
@@ -109,10 +110,28 @@ def setup(spec: dict) -> None:
         (os.open(source, os.O_PATH), os.path.isdir(source), target, ro)
         for source, target, ro in binds
     ]
+    # The "image" here is the host's own files (the Python environment, the checkout): a
+    # volume mounted over a directory that holds them (an emptyDir on /tmp, with the
+    # checkout under /tmp) would hide the container's own code. Each such root is bound
+    # back onto itself over the volume, as an image's files would stay in a real runtime.
+    covered = [
+        (os.open(root, os.O_PATH), root)
+        for root in spec.get("image_roots", ())
+        if os.path.isdir(root) and any(_under(root, target) for _, _, target, _ in opened)
+    ]
     for fd, is_dir, target, read_only in opened:
         _bind(f"/proc/self/fd/{fd}", target, read_only, is_dir=is_dir)
         os.close(fd)
+    for fd, root in covered:
+        _bind(f"/proc/self/fd/{fd}", root, False, is_dir=True)
+        os.close(fd)
     os.chdir(spec.get("working_dir") or "/")
+
+
+def _under(path: str, mount: str) -> bool:
+    """Whether ``path`` is ``mount`` or lies below it."""
+    mount = mount.rstrip("/") or "/"
+    return path == mount or path.startswith(mount if mount == "/" else mount + "/")
 
 
 def _exec(argv: list[str], env: dict[str, str]) -> None:

@@ -13,6 +13,7 @@ starts them is this worker, and it outlives them: PR_SET_PDEATHSIG fires when th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -32,6 +33,20 @@ from .podspec import ConfigError, Obj
 
 log = logging.getLogger(__name__)
 POD_EXEC = Path(__file__).with_name("pod_exec.py")
+
+
+def _image_roots() -> list[str]:
+    """What a container's image is made of here: this Python environment and the checkout
+    its code is installed from (editable: wherever test.sh last ran, found by where the
+    engine's package is). pod_exec binds back any of them a volume covers."""
+    roots = {sys.prefix, sys.base_prefix, str(Path(__file__).resolve().parents[2])}
+    engine = importlib.util.find_spec("trainer_sidecar")
+    if engine is not None and engine.origin:
+        roots.add(str(Path(engine.origin).resolve().parents[1]))
+    return sorted(roots)
+
+
+IMAGE_ROOTS = _image_roots()
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -278,6 +293,7 @@ class PodWorker:
             "hostname": self.pod["spec"].get("hostname") or self.pod["metadata"]["name"],
             "mounts": mounts,
             "hosts_file": str(self.agent.hosts_file(self.pod, self.pod_ip)),
+            "image_roots": IMAGE_ROOTS,
             "working_dir": c.spec.get("workingDir") or "/",
             "argv": argv,
             "env": env,

@@ -4,6 +4,7 @@ tokens, restarts, exit codes."""
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import pytest
 from ctj_devcluster import Cluster
@@ -269,3 +270,34 @@ def test_the_first_container_already_sees_its_pod_ip(cluster: Cluster, namespace
     assert status["podIP"].startswith("127.")
     for container in ("first", "main"):
         assert cluster.container_log(namespace, "ips", container).strip() == expected
+
+
+def test_a_volume_over_the_images_own_files_hides_only_the_rest(
+    cluster: Cluster, namespace: str
+) -> None:
+    """Here a container's "image" is the host's Python environment and this checkout. The
+    sidecar's /tmp emptyDir (restricted: a read-only root) lies over the checkout where the
+    checkout is under /tmp, as in a clone made there: the container still imports its own
+    code, and sees the volume empty besides."""
+    checkout = Path(__file__).resolve().parents[2]
+    if checkout.parent == Path("/"):
+        pytest.skip("the checkout sits at the root: no directory above it to mount over")
+    over = str(checkout.parent)
+    code = (
+        "import os, sys, ctj_contract\n"
+        f"assert ctj_contract.__file__.startswith({str(checkout)!r}), ctj_contract.__file__\n"
+        f"open({over!r} + '/mine', 'w').write('x')\n"
+        f"print('over', sorted(os.listdir({over!r})))\n"
+    )
+    pod = pod_manifest(
+        "covered",
+        [python_container("main", code, volumeMounts=[{"name": "tmp", "mountPath": over}])],
+        volumes=[{"name": "tmp", "emptyDir": {}}],
+    )
+    api = core(cluster)
+    api.create_namespaced_pod(namespace, pod)
+    done = wait_pod_phase(api, namespace, "covered", {"Succeeded", "Failed"})
+    log = cluster.container_log(namespace, "covered", "main")
+    assert done["status"]["phase"] == "Succeeded", log
+    assert f"over {sorted([checkout.name, 'mine'])}" in log
+    assert not (checkout.parent / "mine").exists()  # written to the volume, not the host
