@@ -49,9 +49,11 @@ def test_one_job_through_a_node_loss_its_return_a_resize_and_a_delete(
     staged_in_1 = {e["step"] for e in sim.trainer_events(ns, f"{name}-a1-0")
                    if e["event"] == "staged"}  # fmt: skip
     assert loss.restored["step"] in staged_in_1 and loss.restored["step"] % 10 == 0
-    # the survivors' node caches served what they hold; only the rest came from S3
+    # the node tier is the node agents' (a DaemonSet: the e2e tier runs it on kind and
+    # checks the survivors' share comes from them); the simulated nodes run none, so here
+    # every byte comes from S3 and an absent agent costs only speed
     tiers = loss.restored["bytes_by_tier"]
-    assert tiers.get("local", 0) > 0 and tiers.get("s3", 0) < loss.restored["bytes_fetched"]
+    assert tiers == {"s3": loss.restored["bytes_fetched"]}, tiers
     recoveries = sim.wait(
         lambda: metric_value(operator.metrics(), "ctj_job_recovery_seconds_count"),
         "a recovery observation in the operator's /metrics",
