@@ -13,7 +13,7 @@ starts them is this worker, and it outlives them: PR_SET_PDEATHSIG fires when th
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import json
 import logging
 import os
@@ -35,18 +35,23 @@ log = logging.getLogger(__name__)
 POD_EXEC = Path(__file__).with_name("pod_exec.py")
 
 
-def _image_roots() -> list[str]:
+@functools.cache
+def image_roots() -> list[str]:
     """What a container's image is made of here: this Python environment and the checkout
-    its code is installed from (editable: wherever test.sh last ran, found by where the
-    engine's package is). pod_exec binds back any of them a volume covers."""
+    its code is installed from (editable: wherever test.sh last ran). Asked of the
+    container's own Python (no PYTHONPATH, cwd /), which may find it elsewhere than this
+    process does. pod_exec binds back any of them a volume covers."""
     roots = {sys.prefix, sys.base_prefix, str(Path(__file__).resolve().parents[2])}
-    engine = importlib.util.find_spec("trainer_sidecar")
-    if engine is not None and engine.origin:
-        roots.add(str(Path(engine.origin).resolve().parents[1]))
+    ask = "import importlib.util as u; s = u.find_spec('trainer_sidecar'); print(s and s.origin)"
+    found = subprocess.run(
+        [sys.executable, "-c", ask], cwd="/", env={"PATH": os.environ.get("PATH", "")},
+        capture_output=True, text=True, timeout=60, check=False,
+    ).stdout.strip()  # fmt: skip
+    if found and found != "None":
+        roots.add(str(Path(found).resolve().parents[1]))
     return sorted(roots)
 
 
-IMAGE_ROOTS = _image_roots()
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -293,7 +298,7 @@ class PodWorker:
             "hostname": self.pod["spec"].get("hostname") or self.pod["metadata"]["name"],
             "mounts": mounts,
             "hosts_file": str(self.agent.hosts_file(self.pod, self.pod_ip)),
-            "image_roots": IMAGE_ROOTS,
+            "image_roots": image_roots(),
             "working_dir": c.spec.get("workingDir") or "/",
             "argv": argv,
             "env": env,

@@ -122,7 +122,8 @@ class OperatorProcess:
             return r.read().decode()
 
 
-NODE_CACHE = "/var/lib/ctj/cache"  # the chart's default hostPath
+NODE_AGENT = ("--node-agent-port", "9403")
+"""The operator's flag where the chart installs node agents (their hostPort, its default)."""
 
 
 FAST_TRAINING = {"CTJ_TOTAL_STEPS": "2000", "CTJ_STEP_DELAY_S": "0.1"}

@@ -13,7 +13,7 @@ import pytest
 from ctj_devcluster import Binaries, BinariesMissing, Cluster, ClusterConfig
 from ctj_devcluster.kubeflow import KubeflowBuild
 from ctj_stack.jobs import (
-    NODE_CACHE,
+    NODE_AGENT,
     NewJob,
     OperatorProcess,
     create_job,
@@ -54,10 +54,9 @@ def op_cluster(
 
 @pytest.fixture
 def operator(op_cluster: Cluster, tmp_path: Path) -> Iterator[OperatorProcess]:
-    # the node cache on, as the chart has it (a hostPath: each dev-cluster node has its own)
-    op = OperatorProcess(
-        op_cluster, tmp_path / "operator.log", extra_args=("--node-cache-path", NODE_CACHE)
-    )
+    # node agents on, as the chart has them (none runs on the simulated nodes: pods fall
+    # back to S3, as they do while an agent is down)
+    op = OperatorProcess(op_cluster, tmp_path / "operator.log", extra_args=NODE_AGENT)
     op.start()
     try:
         yield op

@@ -113,7 +113,7 @@ def test_the_kubeflow_controller_runs_each_attempt_and_a_lost_node_restarts_it_r
         assert env["WORLD_SIZE"] == "3" and env["PYTHONUNBUFFERED"] == "1"
         assert env["RANK"] == {master: "0", w0: "1", w1: "2"}[pod_name]
         inits = [c.name for c in pod.spec.init_containers]
-        ours = ["ctj-cache-permissions", "ctj-sidecar"]  # the node cache is on here
+        ours = ["ctj-sidecar"]  # no root init step: the node agents own the node's disk
         assert inits == (ours if pod_name == master else [*ours, "init-pytorch"])
     assert len({p.spec.node_name for p in pods.values()}) == 3, "one rank per node"
     svc = core(op_cluster).read_namespaced_service(master, ns)

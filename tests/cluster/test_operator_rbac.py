@@ -12,7 +12,7 @@ from ctj_devcluster import Cluster
 from ctj_devcluster.kubeflow import install_crd as install_pytorchjob_crd
 from ctj_stack.jobs import (
     FAST_TRAINING,
-    NODE_CACHE,
+    NODE_AGENT,
     OperatorProcess,
     core,
     create_job,
@@ -140,9 +140,13 @@ def test_the_operator_runs_a_job_with_only_its_service_account(
     kubeconfig = op_cluster.service_account_kubeconfig(
         "ctj-system", "ctj-operator", tmp_path / "ctj-operator.kubeconfig"
     )
-    # with the node cache on (as the chart has it): its token Secret is made under these rules
+    # as the chart runs it: its leader Lease by name in its own namespace, node agents on
     operator = OperatorProcess(
-        op_cluster, tmp_path / "operator.log", kubeconfig, ("--node-cache-path", NODE_CACHE)
+        op_cluster,
+        tmp_path / "operator.log",
+        kubeconfig,
+        (*NODE_AGENT, "--leader-election-namespace", "ctj-system"),
+        lease="ctj-operator",
     )
     operator.start()
     try:
