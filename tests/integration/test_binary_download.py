@@ -443,7 +443,8 @@ def test_cluster_binaries_downloads_instead_of_building(site: Site, tmp_path: Pa
     for key in ("CTJ_KUBEFLOW_BIN_DIR", "CTJ_SEAWEEDFS_BIN_DIR"):
         Path(built[key]).mkdir(parents=True)
         (Path(built[key]).parent / ".complete").touch()
-    for key in ("CTJ_KIND_BIN_DIR", "CTJ_COREDNS_BIN_DIR", "CTJ_KIND_TOOLS_BIN_DIR"):
+    for key in ("CTJ_KIND_BIN_DIR", "CTJ_COREDNS_BIN_DIR", "CTJ_KIND_TOOLS_BIN_DIR",
+                "CTJ_KUBE_NETWORK_POLICIES_BIN_DIR"):  # fmt: skip
         Path(kind_built[key]).mkdir(parents=True)
         (Path(kind_built[key]).parent / ".complete").touch()
 
