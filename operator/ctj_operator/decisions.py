@@ -159,7 +159,9 @@ class SetCondition:
     reason: str
     message: str
     only_if_true: bool = False
-    """Turn False only a condition that is True now (none is added)."""
+    """Turn False only a condition that is True in the list being written (none is
+    added): judged there, not on the status read, because an earlier write of the same
+    plan may have just set it (a SpecPending noted on the tick an attempt starts)."""
 
 
 ConditionChange = EnterPhase | SetCondition

@@ -90,7 +90,7 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
     # decide
     plan = decide(obs) if obs is not None else invalid_spec(state, invalid, generation)
     plan = conditions.written(plan, state.conditions, now=now, generation=generation)
-    kinds = [type(a).__name__ for a in plan.actions]
+    kinds = plan.kinds()
     if kinds and kinds != ["PatchStatus"] or "Emit" in kinds:
         log.info("%s/%s attempt %d: %s", namespace, name, state.attempt, ", ".join(kinds))
     elif plan.note:
