@@ -9,7 +9,7 @@ from typing import Any
 
 from ctj_contract import Phase, parse_time
 from ctj_operator.conditions import enter_phase, set_condition, stamped, written
-from ctj_operator.decisions import JobState, Observation, Plan, invalid_spec, job_state
+from ctj_operator.decisions import JobState, Observation, PatchStatus, Plan, invalid_spec, job_state
 
 from tests.unit.test_decisions import RUNNING3, decide, nodes, observe, pod, pods
 
@@ -273,3 +273,26 @@ def test_an_attempt_started_before_attempt_generations_shows_nothing_pending() -
     legacy = dataclasses.replace(RUNNING3, healthy_since=0.0, observed_generation=1)
     written = decide(seen(legacy, T0 + 5, generation=2, the_pods=pods(3))).status()
     assert "SpecPending" not in by_type(written.get("conditions") or [])
+
+
+def test_an_edit_seen_as_an_attempt_starts_is_not_left_pending() -> None:
+    """The edit is noted (SpecPending True) by the plan's first write, and the attempt the
+    same plan starts runs it: the last write leaves SpecPending False."""
+    restarting = dataclasses.replace(
+        RUNNING3,
+        phase="Restarting",
+        torn_down=True,
+        observed_generation=1,
+        attempt_generation=1,
+        selector="training.ctj.dev/job-name=job",
+        conditions=tuple(
+            enter_phase([], Phase.RESTARTING, "PodDeleted", "m", now=T0, generation=1)
+        ),  # fmt: skip
+    )
+    # a pod of an older attempt to delete first, so that the note is a write of its own
+    plan = decide(seen(restarting, T0 + 60, generation=2, the_pods=pods(1, attempt=0)))
+    writes = [a.fields for a in plan.actions if isinstance(a, PatchStatus)]
+    assert by_type(writes[0]["conditions"])["SpecPending"]["status"] == "True"
+    final = by_type(at(restarting, plan).conditions)
+    assert final["Running"]["status"] == "True"
+    assert (final["SpecPending"]["status"], final["SpecPending"]["reason"]) == ("False", "Applied")
