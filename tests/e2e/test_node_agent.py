@@ -12,6 +12,8 @@ import time
 from typing import Any
 
 import pytest
+from ctj_contract import LABEL_JOB
+from ctj_operator.builders import SIDECAR_NAME
 from ctj_stack import Stack
 from ctj_stack.scenario import TRAINING
 
@@ -39,6 +41,17 @@ def job_dirs(stack: Stack, operator_namespace: str, namespace: str) -> dict[str,
         )  # fmt: skip
         found[pod] = out.split()
     return found
+
+
+def sidecar_logs(stack: Stack, namespace: str) -> str:
+    """What each of the job's sidecars said about its node agent."""
+    pods = stack.kubectl("get", "pods", "-n", namespace, "-l", f"{LABEL_JOB}={JOB}",
+                         "-o", "jsonpath={.items[*].metadata.name}").split()  # fmt: skip
+    said = []
+    for pod in pods:
+        log = stack.container_log(namespace, pod, SIDECAR_NAME) or "(no log)"
+        said += [f"{pod}: {line}" for line in log.splitlines() if "node agent" in line]
+    return "\n".join(said[-40:])
 
 
 def test_a_deleted_jobs_cache_is_gone_from_every_node_within_the_bound(
@@ -73,11 +86,17 @@ def test_a_deleted_jobs_cache_is_gone_from_every_node_within_the_bound(
     stack.wait(committed, f"{WORLD} pods running, a checkpoint committed", 600,
                lambda: stack.describe(job_namespace, JOB))  # fmt: skip
     uid = stack.kubectl("get", "ctj", "-n", job_namespace, JOB, "-o", "jsonpath={.metadata.uid}")
-    held = {pod: dirs for pod, dirs in job_dirs(stack, operator_installed, job_namespace).items()
-            if dirs}  # fmt: skip
-    # every rank's sidecar gave its node's agent the chunks it saved, in the job's uid dir
-    assert len(held) >= WORLD, held
-    assert all(dirs == [uid] for dirs in held.values()), (uid, held)
+
+    def held() -> dict[str, list[str]]:
+        found = job_dirs(stack, operator_installed, job_namespace).items()
+        return {pod: dirs for pod, dirs in found if dirs}
+
+    # every rank's sidecar gives its node's agent the chunks it saves, in the job's uid dir:
+    # by the next saves at the latest (a pod's first request may fail while the policy
+    # enforcer learns its address; the sidecar asks again a second later)
+    stack.wait(lambda: len(held()) >= WORLD, f"each of {WORLD} nodes' agents to hold {JOB}'s "
+               "chunks", 60, lambda: f"{held()}\n{sidecar_logs(stack, job_namespace)}")  # fmt: skip
+    assert all(dirs == [uid] for dirs in held().values()), (uid, held())
 
     stack.delete_job(job_namespace, JOB)
     stack.wait(lambda: not stack.children(job_namespace, JOB), f"every child of {JOB} to go", 180)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,13 @@ from ctj_contract.tokens import job_token
 from trainer_sidecar.agent.gc import Collector, Listing, stale_jobs
 from trainer_sidecar.agent.server import serve_agent
 from trainer_sidecar.agent.store import JobKey, NodeStore, plan_evictions
-from trainer_sidecar.store.agent_client import AgentCache, job_path
+from trainer_sidecar.store.agent_client import (
+    FIRST_PAUSE_S,
+    PAUSE_S,
+    AgentCache,
+    job_path,
+    pause_after,
+)
 from trainer_sidecar.store.peer_limits import PeerClientLimits
 
 KEY = b"k" * 32
@@ -168,6 +176,33 @@ def test_an_agent_that_is_down_is_a_miss_never_an_error(tmp_path: Path) -> None:
     cache = AgentCache("127.0.0.1:9", job_path("ml", "train", "u"), token="t" * 64)
     cache.keep(cid(1), b"x")  # nothing listens on port 9: logged, paused, no exception
     assert cache.held([cid(1)]) == set() and cache.read(cid(1), 0, 1) is None
+
+
+def test_failures_in_a_row_leave_the_agent_alone_longer_up_to_the_most() -> None:
+    assert [pause_after(n) for n in (1, 2, 3, 5, 6, 1000)] == [1.0, 2.0, 4.0, 16.0, 30.0, 30.0]
+
+
+def test_an_agent_that_was_unreachable_at_first_is_used_within_seconds(tmp_path: Path) -> None:
+    # a new pod's first requests can fail (a policy enforcer that has not yet seen its
+    # address, an agent restarting): the save after the first pause reaches the agent
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = job_token(KEY, *A.relative.split("/"))
+    cache = AgentCache(f"127.0.0.1:{port}", job_path(A.namespace, A.name, A.uid), token=token)
+    cache.keep(cid(1), b"first")  # refused: a miss, and the agent is left alone a while
+    failed_at = time.monotonic()
+    server = serve_agent(NodeStore(tmp_path, 1 << 20), key=KEY, host="127.0.0.1", port=port)
+    try:
+        assert cache.held([cid(1)]) == set()  # within the pause: not asked
+        while not cache.held([cid(1)]) and time.monotonic() - failed_at < PAUSE_S:
+            cache.keep(cid(1), b"first")  # each save gives the agent its chunks
+            time.sleep(0.05)  # the pace of saves, not a wait for a condition
+        took = time.monotonic() - failed_at
+        assert cache.held([cid(1)]) == {cid(1)} and took < 3 * FIRST_PAUSE_S, took
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_the_agent_imports_neither_torch_nor_kopf() -> None:

@@ -17,7 +17,10 @@ where ``<job>`` is ``/v1/jobs/<namespace>/<name>/<uid>`` (``job_path``). The age
 recomputes the job's token from that path (ctj_contract.tokens) and answers 401 to any
 other. Every request has the peer client's wall-clock deadline (store/peer_limits.py);
 the cache is an optimisation, so a failed request is a miss, and after one the agent is
-left alone for ``PAUSE_S`` (a save never waits on an agent that is down).
+left alone for a while (a save never waits on an agent that is down): ``FIRST_PAUSE_S``,
+doubled after each failure in a row up to ``PAUSE_S``. A pod's first requests can fail
+for a moment (a network policy enforcer that has not yet seen the new pod's address, an
+agent restarting): the node cache is then back within a second or two, not half a minute.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from .peers import Requester, split_address
 
 log = logging.getLogger(__name__)
 
+FIRST_PAUSE_S = 1.0
+"""After a failed request, the agent is not asked again for this long ..."""
 PAUSE_S = 30.0
-"""After a failed request, the agent is not asked again for this long."""
+"""... doubled after each further failure in a row, up to this."""
 MAX_CHUNK_BYTES = 64 << 20
 """The largest chunk (format/chunking: at most 64 MiB): the most a PUT may carry."""
 
@@ -45,6 +50,11 @@ _NAMESPACE = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
 _NAME = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"
 _UID = r"[a-z0-9]([-a-z0-9]{0,62}[a-z0-9])?"
 JOB_PATH = re.compile(rf"/v1/jobs/(?P<ns>{_NAMESPACE})/(?P<name>{_NAME})/(?P<uid>{_UID})")
+
+
+def pause_after(failures: int) -> float:
+    """How long the agent is left alone after ``failures`` failed requests in a row."""
+    return min(PAUSE_S, FIRST_PAUSE_S * 2.0 ** min(failures - 1, 32))
 
 
 def job_path(namespace: str, name: str, uid: str) -> str:
@@ -67,6 +77,7 @@ class AgentCache:
         self.limits = PeerClientLimits.from_env() if limits is None else limits
         self._http = Requester(token, self.limits)
         self._paused_until = 0.0
+        self._failures = 0  # in a row: the next pause is FIRST_PAUSE_S doubled this often
         self._lock = threading.Lock()
 
     # -- NodeChunks --------------------------------------------------------------------
@@ -144,23 +155,30 @@ class AgentCache:
         except (OSError, ValueError, PeerProtocolError) as exc:
             self._failed(f"failed ({type(exc).__name__}: {exc})")
             return None
-        if status == 404:
+        # 404: a miss; 507: the node's bound is taken by writes in flight (the agent is fine)
+        if status >= 300 and status not in (404, 507):
+            self._failed(f"answered HTTP {status} to {method}")
             return None
-        if status >= 300:
-            if status != 507:  # 507: the node's bound is taken by writes in flight
-                self._failed(f"answered HTTP {status} to {method}")
-            return None
-        return status, data
+        self._answered()
+        return (status, data) if status < 300 else None
 
     def _paused(self) -> bool:
         with self._lock:
             return time.monotonic() < self._paused_until
 
+    def _answered(self) -> None:
+        with self._lock:
+            back, self._failures = self._failures > 0, 0
+        if back:
+            log.info("node agent %s answers again: using the node's cache", self.agent)
+
     def _failed(self, why: str) -> None:
         with self._lock:
-            first = time.monotonic() >= self._paused_until
-            self._paused_until = time.monotonic() + PAUSE_S
-        if first:
-            log.warning(
-                "node agent %s %s: not using the node's cache for %.0fs", self.agent, why, PAUSE_S
-            )
+            if time.monotonic() < self._paused_until:
+                return  # a request begun before the pause: this failure is already counted
+            self._failures += 1
+            pause = pause_after(self._failures)
+            self._paused_until = time.monotonic() + pause
+        log.warning(
+            "node agent %s %s: not using the node's cache for %.0fs", self.agent, why, pause
+        )
