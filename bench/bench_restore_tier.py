@@ -20,6 +20,11 @@ is checked against per-tensor checksums taken at save time.
     python bench/bench_restore_tier.py --s3 seaweedfs --json /tmp/tier.json   # 768 MiB
     python bench/bench_restore_tier.py --quick                                # smoke run
 
+By default the node tier is measured both ways in one run, interleaved: through a node
+agent per node (as on a cluster) and each rank reading its node's directory (the tier
+before the agent); ``--via agent`` or ``--via dir`` runs one. ``*_agent_vs_dir`` ratios
+are what the agent's extra hop costs.
+
 Ratios: tiered time / S3-only time (goal <= 0.3), and the bytes a tiered
 restore read from S3 / the lost node's share (goal <= 1).
 """
@@ -245,6 +250,10 @@ class Nodes:
         return copied
 
 
+VIAS = ("agent", "dir")
+"""The node tier through a node agent per node (as on a cluster), or each rank reading its
+node's directory itself (the tier before the agent)."""
+
 VARIANTS = {  # name: (tiered, the cache snapshot, the nodes the restoring ranks run on)
     "s3_only_w3": (False, "saved", [0, 1, SAVE_WORLD]),
     "node_cache_w3": (True, "saved", [0, 1, SAVE_WORLD]),
@@ -273,52 +282,73 @@ def lost_share(manifest: Any) -> int:
 def run(opts: argparse.Namespace) -> dict[str, Any]:
     shape = bc.StateShape.for_total(opts.total_mib * MIB, opts.tensors)
     root = Path(tempfile.mkdtemp(prefix="ctj-bench-tier-"))
-    nodes = Nodes(root, via=opts.via)
-    nodes.start_agents()
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    vias = VIAS if opts.via == "both" else (opts.via,)
+    tiers = {via: Nodes(root / via, via=via) for via in vias}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    replicated: dict[str, int] = {}
+    checksums: list[Any] = []
     try:
         with bc.s3_server(opts.endpoint_url, opts.s3) as (endpoint, server, _):
             env = bc.project_env(endpoint)
-            uri = f"s3://{bc.create_bucket(endpoint)}/tier"
-            base = {"shape": dataclasses.asdict(shape), "uri": uri}
+            bucket = bc.create_bucket(endpoint)
             bc.log(f"state: {shape.total_bytes / MIB:.0f} MiB over {SAVE_WORLD} ranks; {server}")
-            saved = bc.run_world(
-                SAVE_WORLD, "save", base | nodes.placement([0, 1, 2]), env, script=__file__
-            )
-            manifest = read_manifest(endpoint, uri)
-            share = lost_share(manifest)
-            nodes.snapshot("saved")
-            replicated = nodes.replicate(manifest)
-            nodes.snapshot("replicated")
-            nodes.serve([n for n in range(SAVE_WORLD) if n != LOST])
-            for i in range(opts.repeats):
-                for variant, (tiered, snapshot, placed) in VARIANTS.items():
+            base: dict[str, dict[str, Any]] = {}
+            for via, nodes in tiers.items():  # a save per node tier, each filling its caches
+                nodes.start_agents()
+                base[via] = {"shape": dataclasses.asdict(shape), "uri": f"s3://{bucket}/{via}"}
+                placed = base[via] | nodes.placement([0, 1, 2])
+                saved = bc.run_world(SAVE_WORLD, "save", placed, env, script=__file__)
+                checksums.append(saved["checksums"])  # the same state each time
+                manifest = read_manifest(endpoint, base[via]["uri"])
+                share = lost_share(manifest)
+                nodes.snapshot("saved")
+                replicated[via] = nodes.replicate(manifest)
+                nodes.snapshot("replicated")
+                nodes.serve([n for n in range(SAVE_WORLD) if n != LOST])
+            assert all(c == checksums[0] for c in checksums), "the saves' states differ"
+            for i in range(opts.repeats):  # interleaved: every variant of every tier per round
+                for variant, via in _rounds(vias):
+                    tiered, snapshot, on = VARIANTS[variant]
+                    nodes = tiers[via]
                     nodes.reset(snapshot)
-                    bc.log(f"repeat {i + 1}/{opts.repeats}: {variant}")
-                    args = base | nodes.placement(placed) | {
-                        "tiered": tiered, "variant": variant, "checksums": saved["checksums"]
+                    name = _name(variant, via, vias)
+                    bc.log(f"repeat {i + 1}/{opts.repeats}: {name}")
+                    args = base[via] | nodes.placement(on) | {
+                        "tiered": tiered, "variant": name, "checksums": checksums[0]
                     }  # fmt: skip
-                    runs[variant].append(
-                        bc.run_world(len(placed), "load", args, env, script=__file__)
-                    )
+                    world = bc.run_world(len(on), "load", args, env, script=__file__)
+                    runs.setdefault(name, []).append(world)
     finally:
-        nodes.stop()
-        nodes.stop_agents()
+        for nodes in tiers.values():
+            nodes.stop()
+            nodes.stop_agents()
         shutil.rmtree(root, ignore_errors=True)
-    summary = {v: _summary(r) for v, r in runs.items()}
+    summary = {name: _summary(r) for name, r in runs.items()}
     ratios = {}
     for tier in ("node_cache", "replicated"):
         for w in ("w3", "w2"):
-            ours, s3 = summary[f"{tier}_{w}"], summary[f"s3_only_{w}"]
-            ratios[f"{tier}_time_ratio_vs_s3_only_{w}"] = (
-                ours["seconds_median"] / s3["seconds_median"]
-            )
-            ratios[f"{tier}_s3_bytes_ratio_vs_lost_share_{w}"] = ours["bytes"]["s3"] / share
+            s3 = summary[f"s3_only_{w}"]
+            for via in vias:
+                ours = summary[_name(f"{tier}_{w}", via, vias)]
+                suffix = f"_{via}" if len(vias) > 1 else ""
+                ratios[f"{tier}_time_ratio_vs_s3_only_{w}{suffix}"] = (
+                    ours["seconds_median"] / s3["seconds_median"]
+                )
+                ratios[f"{tier}_s3_bytes_ratio_vs_lost_share_{w}{suffix}"] = (
+                    ours["bytes"]["s3"] / share
+                )
     targets = {
         name: {"target": "<= 0.3" if "time" in name else "<= 1.0",
                "met": value <= (0.3 if "time" in name else 1.0)}
         for name, value in ratios.items()
     }  # fmt: skip
+    if len(vias) > 1:  # what the hop costs: the agent's time over the directory's, same run
+        for tier in ("node_cache", "replicated"):
+            for w in ("w3", "w2"):
+                agent, direct = (summary[_name(f"{tier}_{w}", v, vias)] for v in VIAS)
+                ratios[f"{tier}_{w}_time_ratio_agent_vs_dir"] = (
+                    agent["seconds_median"] / direct["seconds_median"]
+                )
     return {
         "command": " ".join(["python", "bench/bench_restore_tier.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -334,11 +364,26 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         "machine": bc.machine(),
         "save_seconds": saved["save_seconds"],
         "lost_share_bytes": share,
-        "replicated_bytes": replicated,
+        "replicated_bytes": replicated[vias[0]],
         "variants": summary,
         "ratios": ratios,
         "targets": targets,
     }
+
+
+def _rounds(vias: tuple[str, ...]) -> list[tuple[str, str]]:
+    """One round's (variant, tier): the S3-only restores once (no node tier is read), the
+    tiered ones once per tier, in the order VARIANTS lists them."""
+    return [
+        (variant, via)
+        for variant, (tiered, _, _) in VARIANTS.items()
+        for via in (vias if tiered else vias[:1])
+    ]
+
+
+def _name(variant: str, via: str, vias: tuple[str, ...]) -> str:
+    tiered = VARIANTS[variant][0]
+    return f"{variant}_{via}" if tiered and len(vias) > 1 else variant
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -357,17 +402,17 @@ def table(report: dict[str, Any]) -> str:
         f"lost node's share: {report['lost_share_bytes'] / MIB:.1f} MiB "
         f"(state {report['config']['total_bytes'] / MIB:.0f} MiB); peer replication copied "
         f"{report['replicated_bytes'] / MIB:.1f} MiB; {report['server']}",
-        f"{'restore':<16}{'ranks':>6}{'median s':>10}{'spread':>8}"
+        f"{'restore':<22}{'ranks':>6}{'median s':>10}{'spread':>8}"
         f"{'MiB local':>11}{'MiB peer':>10}{'MiB s3':>9}",
-        "-" * 68,
+        "-" * 74,
     ]
     for name, v in report["variants"].items():
         b = v["bytes"]
         lines.append(
-            f"{name:<16}{v['world']:>6}{v['seconds_median']:>10.2f}{v['seconds_spread']:>8.2f}"
+            f"{name:<22}{v['world']:>6}{v['seconds_median']:>10.2f}{v['seconds_spread']:>8.2f}"
             f"{b['local'] / MIB:>11.1f}{b['peer'] / MIB:>10.1f}{b['s3'] / MIB:>9.1f}"
         )
-    lines += bc.ratio_lines(report, width=48)
+    lines += bc.ratio_lines(report, width=54)
     return "\n".join(lines)
 
 
@@ -377,11 +422,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="24 MiB, 1 repeat: a smoke run")
     parser.add_argument("--total-mib", type=int, default=768, help="state size (default 768)")
     parser.add_argument("--tensors", type=int, default=12, help="tensors in the state")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds of the six variants")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of every variant")
     parser.add_argument(
-        "--via", choices=("agent", "dir"), default="agent",
-        help="the node tier through a node agent per node (as on a cluster, default), or "
-        "each rank reading its node's directory itself (the tier before the agent)",
+        "--via", choices=(*VIAS, "both"), default="both",
+        help="the node tier through a node agent per node (as on a cluster), each rank "
+        "reading its node's directory itself (the tier before the agent), or both side by "
+        "side, interleaved, with the agent's time over the directory's (default)",
     )  # fmt: skip
     bc.add_s3_arguments(parser)
     opts = parser.parse_args(argv)

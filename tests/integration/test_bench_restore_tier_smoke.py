@@ -2,7 +2,8 @@
 
 Times are not asserted (the machine decides them); where each restore's bytes come
 from is deterministic, so it is: S3 alone serves everything without the tier, the
-node cache leaves S3 only the lost node's share, and peer replication leaves it none.
+node cache leaves S3 only the lost node's share, and peer replication leaves it none,
+through the node agents as through the directories (both run by default, side by side).
 """
 
 from __future__ import annotations
@@ -23,11 +24,18 @@ def test_quick_run_reads_the_lost_share_from_s3_only_without_replication(tmp_pat
     share = report["lost_share_bytes"]
     assert share > 0 and report["replicated_bytes"] >= share
     variants = report["variants"]
-    assert set(variants) == {f"{v}_w{w}" for v in VARIANTS for w in (3, 2)}
+    tiered = {f"{v}_w{w}_{via}" for v in VARIANTS - {"s3_only"} for w in (3, 2)
+              for via in ("agent", "dir")}  # fmt: skip
+    assert set(variants) == {"s3_only_w3", "s3_only_w2"} | tiered
     for w in (3, 2):
-        s3_only, cached, replicated = (variants[f"{v}_w{w}"]["bytes"] for v in
-                                       ("s3_only", "node_cache", "replicated"))  # fmt: skip
+        s3_only = variants[f"s3_only_w{w}"]["bytes"]
         assert s3_only["local"] == s3_only["peer"] == 0 and s3_only["s3"] > 0
-        assert cached["s3"] == share and cached["local"] > 0
-        assert replicated["s3"] == 0 and replicated["local"] + replicated["peer"] > 0
-    assert set(report["ratios"]) == set(report["targets"])
+        for via in ("agent", "dir"):
+            cached, replicated = (variants[f"{v}_w{w}_{via}"]["bytes"] for v in
+                                  ("node_cache", "replicated"))  # fmt: skip
+            assert cached["s3"] == share and cached["local"] > 0, (via, cached)
+            assert replicated["s3"] == 0 and replicated["local"] + replicated["peer"] > 0, via
+    hop = {name for name in report["ratios"] if name.endswith("_agent_vs_dir")}
+    assert hop == {f"{v}_w{w}_time_ratio_agent_vs_dir" for v in VARIANTS - {"s3_only"}
+                   for w in (3, 2)}  # fmt: skip
+    assert set(report["ratios"]) - hop == set(report["targets"])
