@@ -148,8 +148,9 @@ class CheckpointConfig:
     (plain containers, numbers, strings, tensors). Only for checkpoints you wrote and
     nobody else can write to: a pickle can run code."""
     cache_dir: str | None = None
-    """The node-local chunk cache (a hostPath in a pod): every chunk saved is kept here, and
-    a restore reads it first. None: no cache."""
+    """A node-local chunk cache in a directory, for runs outside a cluster (in a pod the
+    node agent holds the node's cache: ``node_agent``): every chunk saved is kept here,
+    and a restore reads it first. None: no cache."""
     cache_max_bytes: int = 16 << 30
     """Bound of the node-local cache; the least recently used chunks go beyond it."""
     cache_peers: tuple[str, ...] = ()
