@@ -877,6 +877,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return opts
 
 
+def gloo_rank(
+    phases: dict[str, Callable[[dict[str, Any]], dict[str, Any]]], phase: str, args_path: str
+) -> None:
+    """A rank of ``run_world``: joins the gloo group, runs ``phases[phase]`` on the JSON args,
+    and rank 0 writes its result to ``args["out"]``; exits without finalization."""
+    import torch.distributed as dist
+
+    from trainer_sidecar.rank_exit import exit_rank
+
+    with open(args_path) as f:
+        args = json.load(f)
+    dist.init_process_group("gloo")
+    try:
+        result = phases[phase](args)
+        if dist.get_rank() == 0:
+            with open(args["out"], "w") as f:
+                json.dump(result, f)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    exit_rank(0)  # no interpreter finalization: trainer_sidecar/rank_exit.py
+
+
 def script_main(
     argv: list[str] | None,
     *,

@@ -22,11 +22,9 @@ whole state again; the report says what that adds on average.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import bench_checkpoint as bc
@@ -168,20 +166,7 @@ def run_rounds(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_main(phase: str, args_path: str) -> None:
-    import torch.distributed as dist
-
-    from trainer_sidecar.rank_exit import exit_rank
-
-    args = json.loads(Path(args_path).read_text())
-    dist.init_process_group("gloo")
-    try:
-        result = {"rounds": run_rounds}[phase](args)
-        if dist.get_rank() == 0:
-            Path(args["out"]).write_text(json.dumps(result))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    exit_rank(0)  # no interpreter finalization: trainer_sidecar/rank_exit.py
+    bc.gloo_rank({"rounds": run_rounds}, phase, args_path)
 
 
 # --------------------------------------------------------------------------- the driver

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import secrets
 import shutil
@@ -107,20 +106,7 @@ def run_load(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_main(phase: str, args_path: str) -> None:
-    import torch.distributed as dist
-
-    from trainer_sidecar.rank_exit import exit_rank
-
-    args = json.loads(Path(args_path).read_text())
-    dist.init_process_group("gloo")
-    try:
-        result = {"save": run_save, "load": run_load}[phase](args)
-        if dist.get_rank() == 0:
-            Path(args["out"]).write_text(json.dumps(result))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    exit_rank(0)  # no interpreter finalization: trainer_sidecar/rank_exit.py
+    bc.gloo_rank({"save": run_save, "load": run_load}, phase, args_path)
 
 
 # --------------------------------------------------------------------------- the driver
