@@ -52,6 +52,7 @@ import json
 import math
 import os
 import platform
+import resource
 import socket
 import subprocess
 import sys
@@ -81,6 +82,10 @@ TARGETS: dict[str, tuple[str, float, str]] = {
     "load_throughput_ratio_vs_s3torchconnector_2to1": (">=", 1.0, ">= 2.0"),
     "load_throughput_ratio_vs_s3torchconnector_2to3": (">=", 1.0, ">= 2.0"),
     "incremental_uploaded_fraction": ("<=", 0.12, "<= changed + 0.02"),
+    # issue 27: the client's CPU per byte at the raw transfer's (loads: verified, placed)
+    "save_cpu_ratio_vs_boto3": ("<=", 1.2, "<= 1.0"),
+    "load_cpu_ratio_vs_raw_get_2to2": ("<=", 1.2, ""),
+    "load_cpu_ratio_vs_raw_get_2to1": ("<=", 1.2, ""),
 }
 
 
@@ -202,12 +207,27 @@ def sum_over_ranks(value: int) -> int:
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     """fn on every rank; seconds from a common barrier to the slowest rank's finish."""
+    seconds, _, result = timed_cpu(fn)
+    return seconds, result
+
+
+def process_cpu_seconds() -> float:
+    """User + system CPU time of this process so far, every thread of it (a library-mode
+    persister's threads, boto3's and s3torchconnector's transfer threads included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed_cpu(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """(seconds as ``timed``, CPU seconds the ranks' processes spent in fn, summed over the
+    ranks, result). The S3 server is another process: never counted."""
     import torch.distributed as dist
 
     dist.barrier()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), process_cpu_seconds()
     result = fn()
-    return max_over_ranks(time.perf_counter() - started), result
+    cpu = process_cpu_seconds() - cpu
+    return max_over_ranks(time.perf_counter() - started), over_ranks(cpu, "SUM"), result
 
 
 class ConcatReader(io.RawIOBase):
@@ -286,12 +306,12 @@ def phase_boto3(model: Any, bucket: str) -> dict[str, Any]:
     )
     views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in local_shards(model)]
     key = f"raw/rank-{dist.get_rank()}.bin"
-    seconds, _ = timed(
+    seconds, cpu, _ = timed_cpu(
         lambda: client.upload_fileobj(ConcatReader(views), bucket, key, Config=transfer)
     )
     uploaded = sum_over_ranks(client.head_object(Bucket=bucket, Key=key)["ContentLength"])
     client.delete_object(Bucket=bucket, Key=key)  # keep the in-memory server small
-    return {"seconds": seconds, "bytes_uploaded": uploaded}
+    return {"seconds": seconds, "cpu_seconds": cpu, "bytes_uploaded": uploaded}
 
 
 def piece_views(model: Any, size: int) -> list[memoryview]:
@@ -324,9 +344,10 @@ def phase_boto3_objects(model: Any, bucket: str) -> dict[str, Any]:
                 )
             )
 
-    seconds, _ = timed(put_all)
+    seconds, cpu, _ = timed_cpu(put_all)
     uploaded = sum_over_ranks(sum(len(v) for v in views))
-    return {"seconds": seconds, "bytes_uploaded": uploaded}  # kept for phase_boto3_get
+    # the objects are kept for phase_boto3_get
+    return {"seconds": seconds, "cpu_seconds": cpu, "bytes_uploaded": uploaded}
 
 
 def phase_boto3_get(bucket: str) -> dict[str, Any]:
@@ -352,8 +373,8 @@ def phase_boto3_get(bucket: str) -> dict[str, Any]:
         with cf.ThreadPoolExecutor(THREADS) as pool:
             return sum(pool.map(get, mine))
 
-    seconds, fetched = timed(get_all)
-    return {"seconds": seconds, "bytes_fetched": sum_over_ranks(fetched)}
+    seconds, cpu, fetched = timed_cpu(get_all)
+    return {"seconds": seconds, "cpu_seconds": cpu, "bytes_fetched": sum_over_ranks(fetched)}
 
 
 _CHECKPOINTERS: dict[str, Any] = {}
@@ -389,9 +410,10 @@ def phase_ours_save(model: Any, uri: str, step: int) -> dict[str, Any]:
         returned.append(time.perf_counter() - started)
         return pending.result() if hasattr(pending, "result") else pending
 
-    seconds, result = timed(save)
+    seconds, cpu, result = timed_cpu(save)
     return {
         "seconds": seconds,
+        "cpu_seconds": cpu,
         "mode": result.mode,
         "bytes_uploaded": result.uploaded_bytes,
         "logical_bytes": result.logical_bytes,
@@ -409,7 +431,7 @@ def phase_s3tc_save(model: Any, bucket: str, prefix: str) -> dict[str, Any]:
     writer = S3StorageWriter(
         REGION, f"s3://{bucket}/{prefix}", s3client_config=s3tc_client_config()
     )
-    seconds, _ = timed(
+    seconds, cpu, _ = timed_cpu(
         lambda: dcp.save({"model": get_model_state_dict(model)}, storage_writer=writer)
     )
     uploaded = 0
@@ -418,15 +440,16 @@ def phase_s3tc_save(model: Any, bucket: str, prefix: str) -> dict[str, Any]:
             boto3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         )
         uploaded = sum(o["Size"] for page in pages for o in page.get("Contents", []))
-    return {"seconds": seconds, "bytes_uploaded": sum_over_ranks(uploaded)}
+    return {"seconds": seconds, "cpu_seconds": cpu, "bytes_uploaded": sum_over_ranks(uploaded)}
 
 
 def phase_ours_load(model: Any, uri: str, want: list[float]) -> dict[str, Any]:
     fill(model, None)
     ckpt = checkpointer(uri)
-    seconds, result = timed(lambda: ckpt.load(model=model))
+    seconds, cpu, result = timed_cpu(lambda: ckpt.load(model=model))
     check_loaded(model, want, "ours")
-    return {"seconds": seconds, "bytes_fetched": sum_over_ranks(result.bytes_fetched)}
+    fetched = sum_over_ranks(result.bytes_fetched)
+    return {"seconds": seconds, "cpu_seconds": cpu, "bytes_fetched": fetched}
 
 
 def phase_s3tc_load(model: Any, bucket: str, prefix: str, want: list[float]) -> dict[str, Any]:
@@ -441,9 +464,10 @@ def phase_s3tc_load(model: Any, bucket: str, prefix: str, want: list[float]) -> 
         dcp.load(state, storage_reader=reader)
         set_model_state_dict(model, state["model"])
 
-    seconds, _ = timed(load)
+    seconds, cpu, _ = timed_cpu(load)
     check_loaded(model, want, "s3torchconnector")
-    return {"seconds": seconds, "bytes_fetched": sum_over_ranks(reader.planned_bytes)}
+    fetched = sum_over_ranks(reader.planned_bytes)
+    return {"seconds": seconds, "cpu_seconds": cpu, "bytes_fetched": fetched}
 
 
 def run_save_world(args: dict[str, Any]) -> dict[str, Any]:
@@ -671,6 +695,7 @@ def machine() -> dict[str, Any]:
 def add_rates(phases: dict[str, dict[str, Any]], total: int) -> None:
     for p in phases.values():
         p["mb_per_s"] = total / p["seconds"] / 1e6
+        p["cpu_seconds_per_gib"] = p["cpu_seconds"] / (total / 2**30)
     incremental = phases["save_ours_incremental"]
     incremental["uploaded_fraction"] = incremental["bytes_uploaded"] / total
 
@@ -679,14 +704,21 @@ def ratios(phases: dict[str, dict[str, Any]], load_worlds: list[int]) -> dict[st
     def speed(ours: str, anchor: str) -> float:
         return phases[ours]["mb_per_s"] / phases[anchor]["mb_per_s"]
 
+    def cpu(ours: str, anchor: str) -> float:  # CPU-seconds for the same bytes
+        return phases[ours]["cpu_seconds"] / phases[anchor]["cpu_seconds"]
+
     out = {
         "incremental_uploaded_fraction": phases["save_ours_incremental"]["uploaded_fraction"],
         "save_throughput_ratio_vs_boto3": speed("save_ours_full", "save_boto3"),
         "save_throughput_ratio_vs_boto3_objects": speed("save_ours_full", "save_boto3_objects"),
+        "save_cpu_ratio_vs_boto3": cpu("save_ours_full", "save_boto3"),
     }
     for w in [SAVE_WORLD, *load_worlds]:
         if f"load_boto3_w{w}" in phases:
             out[f"load_throughput_ratio_vs_raw_get_{SAVE_WORLD}to{w}"] = speed(
+                f"load_ours_w{w}", f"load_boto3_w{w}"
+            )
+            out[f"load_cpu_ratio_vs_raw_get_{SAVE_WORLD}to{w}"] = cpu(
                 f"load_ours_w{w}", f"load_boto3_w{w}"
             )
     if "save_s3torchconnector" not in phases:
@@ -697,6 +729,7 @@ def ratios(phases: dict[str, dict[str, Any]], load_worlds: list[int]) -> dict[st
     out["s3torchconnector_save_throughput_ratio_vs_boto3"] = speed(
         "save_s3torchconnector", "save_boto3"
     )
+    out["save_cpu_ratio_vs_s3torchconnector"] = cpu("save_ours_full", "save_s3torchconnector")
     for w in [SAVE_WORLD, *load_worlds]:
         tag = f"{SAVE_WORLD}to{w}"
         ours, anchor = phases[f"load_ours_w{w}"], phases[f"load_s3torchconnector_w{w}"]
@@ -705,6 +738,9 @@ def ratios(phases: dict[str, dict[str, Any]], load_worlds: list[int]) -> dict[st
         )
         out[f"load_bytes_fetched_ratio_vs_s3torchconnector_{tag}"] = (
             ours["bytes_fetched"] / anchor["bytes_fetched"]
+        )
+        out[f"load_cpu_ratio_vs_s3torchconnector_{tag}"] = cpu(
+            f"load_ours_w{w}", f"load_s3torchconnector_w{w}"
         )
         if f"load_boto3_w{w}" in phases:
             out[f"s3torchconnector_load_throughput_ratio_vs_raw_get_{tag}"] = speed(
@@ -742,14 +778,15 @@ def row_label(name: str) -> str:
 
 def table(report: dict[str, Any]) -> str:
     lines = [
-        f"{'phase':<44}{'seconds':>9}{'MB/s':>9}{'MiB up':>10}{'MiB down':>10}",
-        "-" * 82,
+        f"{'phase':<44}{'seconds':>9}{'MB/s':>9}{'CPU-s/GiB':>11}{'MiB up':>10}{'MiB down':>10}",
+        "-" * 93,
     ]
     for name, p in report["phases"].items():
         up = f"{p['bytes_uploaded'] / MIB:.1f}" if "bytes_uploaded" in p else ""
         down = f"{p['bytes_fetched'] / MIB:.1f}" if "bytes_fetched" in p else ""
         lines.append(
-            f"{row_label(name):<44}{p['seconds']:>9.2f}{p['mb_per_s']:>9.1f}{up:>10}{down:>10}"
+            f"{row_label(name):<44}{p['seconds']:>9.2f}{p['mb_per_s']:>9.1f}"
+            f"{p['cpu_seconds_per_gib']:>11.2f}{up:>10}{down:>10}"
         )
     lines += ratio_lines(report, width=56, title="ratio (ours / anchor)")
     if report.get("skipped"):

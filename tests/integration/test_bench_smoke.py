@@ -33,12 +33,18 @@ def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
     assert SAVE_PHASES | LOAD_PHASES <= set(phases)
     for name, phase in phases.items():
         assert phase["seconds"] > 0 and phase["mb_per_s"] > 0, name
+        # the client's CPU per byte, every phase, measured in the ranks' own processes
+        assert phase["cpu_seconds"] > 0 and phase["cpu_seconds_per_gib"] > 0, name
     assert phases["save_ours_full"]["mode"] == "full"
     assert phases["save_ours_incremental"]["mode"] == "incremental"
 
     ratios = report["ratios"]
     assert {"save_throughput_ratio_vs_boto3", "incremental_uploaded_fraction"} <= set(ratios)
     assert {f"load_throughput_ratio_vs_raw_get_2to{w}" for w in (1, 2, 3)} <= set(ratios)
+    assert {
+        "save_cpu_ratio_vs_boto3",
+        *(f"load_cpu_ratio_vs_raw_get_2to{w}" for w in (1, 2, 3)),
+    } <= set(ratios)
     for w in (1, 2, 3):  # the raw GETs read the whole state, once, at every world size
         assert phases[f"load_boto3_w{w}"]["bytes_fetched"] == report["config"]["total_bytes"]
     assert report["config"]["changed_fraction"] == pytest.approx(0.10)
