@@ -528,25 +528,23 @@ def engine_info() -> dict[str, Any]:
 
 
 def worker_main(phase: str, args_path: str) -> None:
-    import torch.distributed as dist
+    gloo_rank({"save": _measured(run_save_world), "load": _measured(run_load_world)}, phase,
+              args_path)  # fmt: skip
 
-    from trainer_sidecar.rank_exit import exit_rank
 
-    args = json.loads(open(args_path).read())
-    dist.init_process_group("gloo")
-    try:
+def _measured(
+    run: Callable[[dict[str, Any]], dict[str, Any]],
+) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """``run``, its checkpointers closed after it, its result naming the engine measured."""
+
+    def phase(args: dict[str, Any]) -> dict[str, Any]:
         try:
-            result = {"save": run_save_world, "load": run_load_world}[phase](args)
+            result = run(args)
         finally:
             close_checkpointers()
-        if dist.get_rank() == 0:
-            result["engine"] = engine_info()
-            with open(args["out"], "w") as f:
-                json.dump(result, f)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    exit_rank(0)  # no interpreter finalization: trainer_sidecar/rank_exit.py
+        return result | {"engine": engine_info()}
+
+    return phase
 
 
 # --------------------------------------------------------------------------- the driver
