@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import shutil
 import statistics
@@ -585,23 +584,16 @@ def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_main(phase: str, args_path: str) -> None:
-    import torch.distributed as dist
+    phases = {"stall": run_stall, "goodput": run_goodput}
+    bench_checkpoint.rank_main(
+        {name: _with_engine(run) for name, run in phases.items()}, phase, args_path, backend
+    )
 
-    from trainer_sidecar.rank_exit import exit_rank
 
-    with open(args_path) as f:
-        args = json.load(f)
-    dist.init_process_group(backend(phase, args))
-    try:
-        result = {"stall": run_stall, "goodput": run_goodput}[phase](args)
-        if dist.get_rank() == 0:
-            result["engine"] = engine_info()
-            with open(args["out"], "w") as f:
-                json.dump(result, f)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    exit_rank(0)  # no interpreter finalization: trainer_sidecar/rank_exit.py
+def _with_engine(
+    run: Callable[[dict[str, Any]], dict[str, Any]],
+) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda args: run(args) | {"engine": engine_info()}
 
 
 def backend(phase: str, args: dict[str, Any]) -> str:

@@ -528,7 +528,7 @@ def engine_info() -> dict[str, Any]:
 
 
 def worker_main(phase: str, args_path: str) -> None:
-    gloo_rank({"save": _measured(run_save_world), "load": _measured(run_load_world)}, phase,
+    rank_main({"save": _measured(run_save_world), "load": _measured(run_load_world)}, phase,
               args_path)  # fmt: skip
 
 
@@ -912,18 +912,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return opts
 
 
-def gloo_rank(
-    phases: dict[str, Callable[[dict[str, Any]], dict[str, Any]]], phase: str, args_path: str
+def rank_main(
+    phases: dict[str, Callable[[dict[str, Any]], dict[str, Any]]],
+    phase: str,
+    args_path: str,
+    backend: Callable[[str, dict[str, Any]], str] = lambda phase, args: "gloo",
 ) -> None:
-    """A rank of ``run_world``: joins the gloo group, runs ``phases[phase]`` on the JSON args,
-    and rank 0 writes its result to ``args["out"]``; exits without finalization."""
+    """A rank of ``run_world``: joins the process group (gloo unless ``backend`` says
+    otherwise for this phase and args), runs ``phases[phase]`` on the JSON args, and rank 0
+    writes its result to ``args["out"]``; exits without finalization."""
     import torch.distributed as dist
 
     from trainer_sidecar.rank_exit import exit_rank
 
     with open(args_path) as f:
         args = json.load(f)
-    dist.init_process_group("gloo")
+    dist.init_process_group(backend(phase, args))
     try:
         result = phases[phase](args)
         if dist.get_rank() == 0:

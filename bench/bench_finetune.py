@@ -166,7 +166,7 @@ def run_rounds(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_main(phase: str, args_path: str) -> None:
-    bc.gloo_rank({"rounds": run_rounds}, phase, args_path)
+    bc.rank_main({"rounds": run_rounds}, phase, args_path)
 
 
 # --------------------------------------------------------------------------- the driver

@@ -106,7 +106,7 @@ def run_load(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_main(phase: str, args_path: str) -> None:
-    bc.gloo_rank({"save": run_save, "load": run_load}, phase, args_path)
+    bc.rank_main({"save": run_save, "load": run_load}, phase, args_path)
 
 
 # --------------------------------------------------------------------------- the driver
