@@ -271,7 +271,7 @@ class Checkpointer:
             else None
         )
         slots.mark_ready(done.slot, staged)
-        self.metrics.observe_stall(staged.stage_seconds)
+        self.metrics.observe_stall(staged.stage_seconds, self.rank)
         # no wake-up for an in-process persister: it polls its slots (every 50 ms), and
         # waking it here would hand it the GIL before save() returns
         self._last = PendingSave(

@@ -77,13 +77,15 @@ class CheckpointMetrics:
         self.build_info.labels(version=__version__, component=COMPONENT).set(1)
         self.stall = Histogram(
             "ctj_checkpoint_stall_seconds",
-            "Time a save blocked the training loop (until the state was staged).",
+            "Time a save blocked the training loop (until the state was staged), by rank.",
+            ["rank"],
             buckets=_BUCKETS,
             registry=r,
         )
         self.upload = Histogram(
             "ctj_checkpoint_upload_seconds",
-            "Time to chunk, hash and upload one rank's staged checkpoint.",
+            "Time to chunk, hash and upload one rank's staged checkpoint, by rank.",
+            ["rank"],
             buckets=_BUCKETS,
             registry=r,
         )
@@ -95,7 +97,8 @@ class CheckpointMetrics:
         )
         self.restore = Histogram(
             "ctj_checkpoint_restore_seconds",
-            "Time to load a committed checkpoint into the training state.",
+            "Time to load a committed checkpoint into the training state, by rank.",
+            ["rank"],
             buckets=_BUCKETS,
             registry=r,
         )
@@ -154,13 +157,17 @@ class CheckpointMetrics:
 
     # -- what the training process observes (in sidecar mode, relayed to the sidecar) --
 
-    def observe_stall(self, seconds: float) -> None:
-        self.stall.observe(seconds)
+    def observe_stall(self, seconds: float, rank: int) -> None:
+        self.stall.labels(rank=str(rank)).observe(seconds)
         self._relay("stall", seconds)
 
-    def observe_restore(self, seconds: float) -> None:
-        self.restore.observe(seconds)
+    def observe_restore(self, seconds: float, rank: int) -> None:
+        self.restore.labels(rank=str(rank)).observe(seconds)
         self._relay("restore", seconds)
+
+    def observe_upload(self, seconds: float, rank: int) -> None:
+        """The sidecar's (or the in-process persister's) own: never relayed."""
+        self.upload.labels(rank=str(rank)).observe(seconds)
 
     def count_restore_bytes(self, by_tier: dict[str, int]) -> None:
         for tier, n in by_tier.items():
@@ -179,12 +186,14 @@ class CheckpointMetrics:
         if self.relay is not None:
             self.relay(name, value, stage)
 
-    def apply(self, name: str, value: float, stage: str = "") -> None:
-        """Record an observation a trainer relayed (the sidecar's side; not relayed on)."""
+    def apply(self, name: str, value: float, stage: str = "", rank: int = 0) -> None:
+        """Record an observation trainer ``rank`` relayed (the sidecar's side; not relayed
+        on). The per-rank histograms are labelled with it: one sidecar serves every rank
+        of its pod (nprocPerNode), and a straggler shows as one rank."""
         if name == "stall":
-            self.stall.observe(value)
+            self.stall.labels(rank=str(rank)).observe(value)
         elif name == "restore":
-            self.restore.observe(value)
+            self.restore.labels(rank=str(rank)).observe(value)
         elif name == "failure" and stage in FAILURE_STAGES:
             self.failures.labels(stage=stage).inc(value)
         elif name == "skipped":

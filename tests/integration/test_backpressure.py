@@ -98,9 +98,9 @@ def test_in_process_metrics_after_save_and_restore_pass_promtool(s3_uri: str) ->
     wait_until(lambda: "ctj_checkpoint_commit_seconds_count 1.0" in scrape(), "commit metric")
     text = scrape()
     for series in (
-        "ctj_checkpoint_stall_seconds_count 1.0",
-        "ctj_checkpoint_upload_seconds_count 1.0",
-        "ctj_checkpoint_restore_seconds_count 1.0",
+        'ctj_checkpoint_stall_seconds_count{rank="0"} 1.0',
+        'ctj_checkpoint_upload_seconds_count{rank="0"} 1.0',
+        'ctj_checkpoint_restore_seconds_count{rank="0"} 1.0',
         'ctj_checkpoint_bytes_total{kind="logical"}',
         'ctj_checkpoint_bytes_total{kind="deduplicated"}',
         'ctj_checkpoint_failures_total{stage="restore"} 0.0',

@@ -140,6 +140,10 @@ def test_trainer_killed_right_after_save_returns_still_commits(
         )
     except AssertionError as exc:
         raise AssertionError(f"{exc}; the sidecar's log:\n{sidecars[0].text()[-3000:]}") from None
+    text = sidecars[0].get("/metrics")[1]
+    for rank in (0, 1):  # one sidecar persisted both ranks of its pod, a series for each
+        series = rf'^ctj_checkpoint_upload_seconds_count\{{rank="{rank}"\}} 1\.0$'
+        assert re.search(series, text, re.M), text
     args["config"] = {}
     run_ranks(3, "tests.integration.workers:load_and_compare", args)
 
@@ -254,13 +258,13 @@ def test_sidecar_serves_health_and_metrics(
     committed = r"^ctj_checkpoint_commit_seconds_count 1\.0$"  # observed just after the commit
     wait_until(lambda: re.search(committed, sidecar.get("/metrics")[1], re.M), "commit metric")
     # what the trainer observed (it serves no /metrics in sidecar mode), relayed
-    relayed = r"^ctj_checkpoint_restore_seconds_count 1\.0$"
+    relayed = r'^ctj_checkpoint_restore_seconds_count\{rank="0"\} 1\.0$'
     wait_until(lambda: re.search(relayed, sidecar.get("/metrics")[1], re.M), "restore metric")
     status, text = sidecar.get("/metrics")
     assert status == 200
-    assert re.search(r"^ctj_checkpoint_stall_seconds_count 1\.0$", text, re.M)
+    assert re.search(r'^ctj_checkpoint_stall_seconds_count\{rank="0"\} 1\.0$', text, re.M)
     assert re.search(r"^ctj_staging_capacity_bytes [1-9]", text, re.M)
-    assert re.search(r"^ctj_checkpoint_upload_seconds_count 1\.0$", text, re.M)
+    assert re.search(r'^ctj_checkpoint_upload_seconds_count\{rank="0"\} 1\.0$', text, re.M)
     assert re.search(r"^ctj_checkpoint_last_committed_step 1\.0$", text, re.M)
     assert re.search(r'^ctj_checkpoint_bytes_total\{kind="uploaded"\} [1-9]', text, re.M)
     check = promtool_check(text)

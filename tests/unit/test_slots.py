@@ -130,8 +130,13 @@ def test_observations_relayed_to_the_sidecar_are_taken_once(tmp_path: Path) -> N
     (tmp_path / slots.OBSERVED_DIR / "2-1-0.json").write_text('{"name": "exec", "value": 1}')
     (tmp_path / slots.OBSERVED_DIR / "2-2-0.json").write_text("not json")
     (tmp_path / slots.OBSERVED_DIR / "2-3-0.json").write_text('{"name": "stall", "value": -1}')
+    # the rank becomes a label value: never an unbounded or non-integer one
+    for i, rank in enumerate(('"1"', "-1", str(slots.MAX_RANKS), "1.5")):
+        (tmp_path / slots.OBSERVED_DIR / f"3-{i}-0.json").write_text(
+            f'{{"name": "stall", "value": 1, "rank": {rank}}}'
+        )
     taken = slots.take_observations(tmp_path)
-    assert sorted(taken) == [("failure", 1.0, "restore"), ("stall", 0.25, "")]
+    assert sorted(taken) == [("failure", 1.0, "restore", 1), ("stall", 0.25, "", 0)]
     assert slots.take_observations(tmp_path) == []  # read once, every file removed
     assert list((tmp_path / slots.OBSERVED_DIR).iterdir()) == []
     slots.relay_observation(tmp_path / "missing" / "root", 0, "stall", 1.0)  # best effort
@@ -140,17 +145,21 @@ def test_observations_relayed_to_the_sidecar_are_taken_once(tmp_path: Path) -> N
 def test_a_trainer_in_sidecar_mode_relays_what_it_observes(tmp_path: Path) -> None:
     from trainer_sidecar.metrics import CheckpointMetrics
 
-    trainer, sidecar = CheckpointMetrics(), CheckpointMetrics()
-    trainer.relay = functools.partial(slots.relay_observation, tmp_path, 0)
-    trainer.observe_stall(0.5)
-    trainer.observe_restore(2.0)
-    trainer.count_failure("stage")
-    trainer.count_skipped()
+    # two trainers of one pod (nprocPerNode 2), ranks 2 and 3, and their one sidecar
+    two, three, sidecar = CheckpointMetrics(), CheckpointMetrics(), CheckpointMetrics()
+    two.relay = functools.partial(slots.relay_observation, tmp_path, 2)
+    three.relay = functools.partial(slots.relay_observation, tmp_path, 3)
+    two.observe_stall(0.5, 2)
+    three.observe_stall(0.75, 3)
+    two.observe_restore(2.0, 2)
+    two.count_failure("stage")
+    two.count_skipped()
     for observation in slots.take_observations(tmp_path):
         sidecar.apply(*observation)
     r = sidecar.registry
-    assert r.get_sample_value("ctj_checkpoint_stall_seconds_sum") == 0.5
-    assert r.get_sample_value("ctj_checkpoint_restore_seconds_sum") == 2.0
+    assert r.get_sample_value("ctj_checkpoint_stall_seconds_sum", {"rank": "2"}) == 0.5
+    assert r.get_sample_value("ctj_checkpoint_stall_seconds_sum", {"rank": "3"}) == 0.75
+    assert r.get_sample_value("ctj_checkpoint_restore_seconds_sum", {"rank": "2"}) == 2.0
     assert r.get_sample_value("ctj_checkpoint_failures_total", {"stage": "stage"}) == 1
     assert r.get_sample_value("ctj_checkpoint_skipped_total") == 1
 

@@ -57,6 +57,9 @@ class LoadResult:
     seconds: float
     bytes_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     """This rank's bytes by tier (local, peer, s3); rank 0's include the ``.metadata``."""
+    saved_world_size: int = 0
+    """The world size that saved it (the ranks of its manifest): another than the loading
+    one's means the load resharded."""
     source: str | None = None
     """Where it was loaded from when not the run's own location: the resume source (a job
     seeded by spec.checkpoint.resumeFrom); None for the run's own checkpoints."""
@@ -228,7 +231,7 @@ def restore(
         if extra is not None:
             extra.update(state["extra"])
         seconds = time.monotonic() - started
-        metrics.observe_restore(seconds)
+        metrics.observe_restore(seconds, collectives.rank(group))
         fetched, by_tier = reader.stats.bytes_fetched, dict(reader.stats.by_tier)
         if collectives.rank(group) == 0:
             fetched += opened.metadata_bytes
@@ -242,6 +245,7 @@ def restore(
             bytes_fetched=fetched,
             seconds=seconds,
             bytes_by_tier=by_tier,
+            saved_world_size=opened.manifest.world_size,
         )
     reasons = "; ".join(reason for _, reason in skipped[:3])
     more = f" (and {len(skipped) - 3} more)" if len(skipped) > 3 else ""

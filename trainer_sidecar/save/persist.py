@@ -201,7 +201,7 @@ class Persister:
             cache=self.cache,
             fence=fence,
         )
-        self.metrics.upload.observe(time.monotonic() - started)
+        self.metrics.observe_upload(time.monotonic() - started, staged.rank)
         self.metrics.bytes.labels(kind="uploaded").inc(part.uploaded_bytes)
         self.metrics.bytes.labels(kind="deduplicated").inc(part.deduplicated_bytes)
         log.info(

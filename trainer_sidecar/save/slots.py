@@ -34,6 +34,7 @@ import shutil
 import stat
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from ..errors import CheckpointError
 from ..format.chunking import Span
@@ -369,6 +370,7 @@ def read_request(root: Path) -> str | None:
 
 OBSERVED_DIR = "observed"
 OBSERVATIONS = ("stall", "restore", "failure", "skipped")
+MAX_RANKS = 1 << 20  # a relayed rank becomes a label value: bounded, past any real job
 _relayed = itertools.count()
 
 
@@ -383,13 +385,22 @@ def relay_observation(root: Path, rank: int, name: str, value: float, stage: str
         folder.mkdir(mode=0o700, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"name": name, "value": value, "stage": stage}, f)
+            json.dump({"name": name, "value": value, "stage": stage, "rank": rank}, f)
         os.replace(tmp, final)
     except OSError:
         pass
 
 
-def take_observations(root: Path) -> list[tuple[str, float, str]]:
+class Observation(NamedTuple):
+    """One relayed observation, as ``CheckpointMetrics.apply`` takes it."""
+
+    name: str
+    value: float
+    stage: str
+    rank: int
+
+
+def take_observations(root: Path) -> list[Observation]:
     """The relayed observations, each removed once read (the sidecar's
     loop); a file that is not one (unreadable, another shape) is dropped."""
     folder = Path(root) / OBSERVED_DIR
@@ -397,7 +408,7 @@ def take_observations(root: Path) -> list[tuple[str, float, str]]:
         names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    found: list[tuple[str, float, str]] = []
+    found: list[Observation] = []
     for name in names:
         path = folder / name
         try:
@@ -410,7 +421,9 @@ def take_observations(root: Path) -> list[tuple[str, float, str]]:
             pass
         if not isinstance(raw, dict) or raw.get("name") not in OBSERVATIONS:
             continue
-        value, stage = raw.get("value"), raw.get("stage", "")
+        value, stage, rank = raw.get("value"), raw.get("stage", ""), raw.get("rank", 0)
+        if not (isinstance(rank, int) and 0 <= rank < MAX_RANKS):
+            continue  # a label value from the file: bounded, or none
         if isinstance(value, int | float) and math.isfinite(value) and value >= 0:
-            found.append((str(raw["name"]), float(value), str(stage)))
+            found.append(Observation(str(raw["name"]), float(value), str(stage), rank))
     return found
