@@ -77,6 +77,7 @@ def eval_loss(model: torch.nn.Module) -> float:
 def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks in this pod (torchrun)
     total_steps = int(os.environ.get("CTJ_TOTAL_STEPS", "60"))
     save_every = int(os.environ.get("CTJ_SAVE_EVERY", "10"))
     step_delay = float(os.environ.get("CTJ_STEP_DELAY_S", "0"))
@@ -95,11 +96,12 @@ def main() -> None:
         if restored:
             sampler.load_state_dict(extra["sampler"])  # refuses another seed, batch or dataset
             log("restored", step=restored.step, world_size=world,
+                saved_world_size=restored.saved_world_size, local_world_size=local_world,
                 seconds=round(restored.seconds, 3), bytes_fetched=restored.bytes_fetched,
                 bytes_by_tier=restored.bytes_by_tier,
                 eval_loss=eval_loss(model))
         else:
-            log("fresh_start", world_size=world)
+            log("fresh_start", world_size=world, local_world_size=local_world)
 
         pending: list = []  # saves staged, not yet seen committed
         stopped, last = False, start

@@ -65,9 +65,11 @@ class Harness(ABC):
         """kubectl against this cluster; its stdout (an error names the command)."""
 
     @abstractmethod
-    def example_job(self, name: str = "demo", backend: str = "pods", **env: str) -> dict[str, Any]:
-        """examples/job.yaml as this cluster runs it, named ``name``, run by ``backend``,
-        with ``env`` set in the trainer."""
+    def example_job(
+        self, name: str = "demo", backend: str = "pods", example: str = "job.yaml", **env: str
+    ) -> dict[str, Any]:
+        """examples/``example`` (job.yaml unless named) as this cluster runs it, named
+        ``name``, run by ``backend``, with ``env`` set in the trainer."""
 
     @abstractmethod
     def container_log(self, namespace: str, pod: str, container: str) -> str | None:
@@ -92,8 +94,9 @@ class Harness(ABC):
         self.kubectl(*args, stdin=yaml.safe_dump_all(objects))
 
     def apply_job(self, namespace: str, job: dict[str, Any]) -> None:
-        self.log(f"kubectl apply -f examples/job.yaml -n {namespace} "
-                 f"(name {job['metadata']['name']}, backend {job['spec']['backend']})")  # fmt: skip
+        self.log(f"kubectl apply -n {namespace}: an example job (name {job['metadata']['name']}, "
+                 f"backend {job['spec']['backend']}, {job['spec']['replicas']} pods x "
+                 f"{job['spec'].get('nprocPerNode', 1)} ranks)")  # fmt: skip
         self.apply([job], namespace)
 
     def scale(self, namespace: str, name: str, replicas: int) -> None:

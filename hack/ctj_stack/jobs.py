@@ -28,7 +28,8 @@ from .harness import trainer_log_events
 from .stack import ROOT
 
 CRD = ROOT / "crds" / "training.ctj.dev_checkpointedtrainingjobs.yaml"
-EXAMPLE = ROOT / "examples" / "job.yaml"
+EXAMPLES = ROOT / "examples"
+EXAMPLE = EXAMPLES / "job.yaml"
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout: float = 120.0) -> Any:
@@ -137,15 +138,17 @@ def job_manifest(
     *,
     env: dict[str, str] | None = None,
     command: list[str] | None = None,
+    example: Path = EXAMPLE,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """examples/job.yaml as a user would adapt it: their bucket, endpoint, and image.
+    """``example`` (examples/job.yaml) as a user would adapt it: their bucket, endpoint,
+    and image.
 
     The simulated nodes run commands on this machine, so the image's /app is ROOT.
     ``env`` overrides the trainer's variables, ``command`` its command; other keyword
     arguments replace top-level spec fields.
     """
-    job = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
+    job = copy.deepcopy(yaml.safe_load(example.read_text()))
     job["metadata"]["name"] = name
     job["spec"]["checkpoint"].update(uri=s3_uri, endpoint=endpoint)
     trainer = job["spec"]["template"]["spec"]["containers"][0]

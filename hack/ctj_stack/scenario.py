@@ -81,14 +81,17 @@ class NodeLoss:
 class Lifecycle:
     """The steps, in order, on one job ``name`` in ``namespace`` run by ``backend``;
     ``training``: the trainer's variables; ``spec``: fields that replace the example's
-    (a shorter scale-up window where waiting it out shows nothing)."""
+    (a shorter scale-up window where waiting it out shows nothing); ``example``: the
+    manifest under examples/ (job-torchrun.yaml runs several ranks per pod)."""
 
     cluster: Harness
     namespace: str
     name: str
     backend: str = "pods"
+    example: str = "job.yaml"
     training: dict[str, str] = field(default_factory=lambda: dict(TRAINING))
     spec: dict[str, Any] = field(default_factory=dict)
+    ranks_per_pod: int = 1  # the example's nprocPerNode: world sizes below count pods
     attempt: int = 0  # the attempt running after the last step
     lost_node: str = ""
     committed_at_delete: int = 0
@@ -109,7 +112,8 @@ class Lifecycle:
         kubectl_wait(c, ns, self.name, "Running", "Restarting=false")
         assert_standard_conditions(c, ns, self.name)
         restored, first = c.restored(ns, self.name, int(st["attempt"]))
-        assert restored["world_size"] == world, restored
+        assert restored["world_size"] == world * self.ranks_per_pod, restored
+        assert restored.get("local_world_size", 1) == self.ranks_per_pod, restored
         assert restored["step"] >= not_before, f"step {not_before} was committed, then lost"
         assert first["step"] == restored["step"] + 1, "training goes on from the checkpoint"
         self.attempt = int(st["attempt"])
@@ -118,8 +122,9 @@ class Lifecycle:
     def commits_checkpoints(self) -> dict[str, Any]:
         """Applies the example job; 3 pods run and 2 checkpoints commit. Its status."""
         c, ns, name = self.cluster, self.namespace, self.name
-        job = c.example_job(name, self.backend, **self.training)
+        job = c.example_job(name, self.backend, self.example, **self.training)
         job["spec"].update(self.spec)
+        self.ranks_per_pod = int(job["spec"].get("nprocPerNode", 1))
         c.apply_job(ns, job)
 
         def committed() -> dict[str, Any] | None:
@@ -224,7 +229,7 @@ class Lifecycle:
         assert self.committed_at_delete > 0, "run deleted() first"
         # past any step the deleted job could still commit while its pods were stopping
         steps = {"CTJ_TOTAL_STEPS": str(self.committed_at_delete + 300), "CTJ_STEP_DELAY_S": "0.05"}
-        job = c.example_job(name, self.backend, **{**self.training, **steps})
+        job = c.example_job(name, self.backend, self.example, **{**self.training, **steps})
         job["spec"].update(self.spec, replicas=2)
         job["spec"]["checkpoint"]["resumeFrom"] = self.name
         c.apply_job(ns, job)
@@ -246,7 +251,7 @@ class Lifecycle:
         --for=condition=Failed`) quotes the trainer's reason, naming the field. Its Failed
         condition."""
         c, ns, name = self.cluster, self.namespace, f"{self.name}-nosource"
-        job = c.example_job(name, self.backend, **self.training)
+        job = c.example_job(name, self.backend, self.example, **self.training)
         job["spec"].update(self.spec, replicas=1, minReplicas=1,
                            restartPolicy={"maxRestarts": 0})  # fmt: skip
         job["spec"]["checkpoint"]["resumeFrom"] = "no-such-job"
@@ -262,7 +267,7 @@ class Lifecycle:
         Queued condition that says why (`kubectl wait --for=condition=Queued`). Its Queued
         condition."""
         c, ns, name = self.cluster, self.namespace, f"{self.name}-wide"
-        job = c.example_job(name, self.backend, **self.training)
+        job = c.example_job(name, self.backend, self.example, **self.training)
         job["spec"].update(self.spec, replicas=64, minReplicas=64, maxReplicas=64)
         c.apply_job(ns, job)
         c.kubectl("wait", f"ctj/{name}", "-n", ns, "--for=condition=Queued", "--timeout=60s")

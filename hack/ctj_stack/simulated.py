@@ -11,7 +11,7 @@ from typing import Any
 from ctj_devcluster import Cluster
 
 from .harness import Harness
-from .jobs import job_manifest
+from .jobs import EXAMPLES, job_manifest
 
 
 class SimulatedStack(Harness):
@@ -30,8 +30,11 @@ class SimulatedStack(Harness):
     def kubectl(self, *args: str, stdin: str | None = None) -> str:
         return self.cluster.kubectl(*args, input=stdin, timeout=180).stdout
 
-    def example_job(self, name: str = "demo", backend: str = "pods", **env: str) -> dict[str, Any]:
-        return job_manifest(name, self.s3_uri, self.endpoint, env=env, backend=backend)
+    def example_job(
+        self, name: str = "demo", backend: str = "pods", example: str = "job.yaml", **env: str
+    ) -> dict[str, Any]:
+        return job_manifest(name, self.s3_uri, self.endpoint, env=env, backend=backend,
+                            example=EXAMPLES / example)  # fmt: skip
 
     def container_log(self, namespace: str, pod: str, container: str) -> str | None:
         try:

@@ -25,7 +25,8 @@ from .harness import Harness
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ctj"
-EXAMPLE_JOB = ROOT / "examples" / "job.yaml"
+EXAMPLES = ROOT / "examples"
+EXAMPLE_JOB = EXAMPLES / "job.yaml"
 # The job namespace's Pod Security labels: enforce rejects, warn and audit say why
 POD_SECURITY_RESTRICTED = {
     f"pod-security.kubernetes.io/{mode}": "restricted" for mode in ("enforce", "warn", "audit")
@@ -328,10 +329,12 @@ class Stack(Harness):
             "AWS_SECRET_ACCESS_KEY": credentials.secret_key,
         })])  # fmt: skip
 
-    def example_job(self, name: str = "demo", backend: str = "pods", **env: str) -> dict[str, Any]:
-        """examples/job.yaml with our trainer image (and ``env`` set in the trainer), named
-        ``name``, run by ``backend``."""
-        job: dict[str, Any] = yaml.safe_load(EXAMPLE_JOB.read_text())
+    def example_job(
+        self, name: str = "demo", backend: str = "pods", example: str = "job.yaml", **env: str
+    ) -> dict[str, Any]:
+        """examples/``example`` with our trainer image (and ``env`` set in the trainer),
+        named ``name``, run by ``backend``."""
+        job: dict[str, Any] = yaml.safe_load((EXAMPLES / example).read_text())
         job["metadata"]["name"] = name
         job["spec"]["backend"] = backend
         trainer = job["spec"]["template"]["spec"]["containers"][0]

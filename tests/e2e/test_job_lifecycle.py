@@ -2,7 +2,9 @@
 our operator image, the example job on our trainer image checkpointing to the S3 server
 in the cluster, a node lost (its container killed) and back, a `kubectl scale`, a delete,
 and a new job that resumes from the deleted one's checkpoints (`resumeFrom`); then the
-scenario with backend pytorchjob, under Kubeflow's controller.
+scenario with backend pytorchjob, under Kubeflow's controller; then two ranks per pod
+under torchrun (examples/job-torchrun.yaml), one sidecar serving both, through a node
+loss that reshards 3 pods x 2 ranks to 2 x 2.
 
 Each step waits on a condition the user would watch (`kubectl get ctj`, the trainer's
 log); the node-loss step records the time from the kill to the first training step after
@@ -13,11 +15,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import pytest
+from ctj_contract import LABEL_RANK
+from ctj_operator.builders import METRICS_PORT, SIDECAR_NAME
 from ctj_stack import NodeControl, Stack
 from ctj_stack.scenario import Lifecycle
+
+# the sidecar serves on the pod IP only (CTJ_METRICS_HOST, from status.podIP)
+SCRAPE = (
+    "import os, urllib.request as u; "
+    f"print(u.urlopen(f'http://{{os.environ[\"CTJ_METRICS_HOST\"]}}:{METRICS_PORT}/metrics')"
+    ".read().decode())"
+)
 
 
 def _record(result: dict[str, Any]) -> None:
@@ -128,3 +140,88 @@ class TestPytorchJobLifecycle(TestJobLifecycle):
     def _kubeflow(self, kubeflow: str) -> None:
         if kubeflow:
             pytest.skip(f"backend pytorchjob: {kubeflow}")
+
+
+def _per_rank_counts(stack: Any, namespace: str, pod: str, metric: str) -> dict[int, float]:
+    """``<metric>_count`` by its ``rank`` label, from the pod's sidecar (scraped inside the
+    pod: the job's NetworkPolicy admits only Prometheus and the operator to the port)."""
+    text = stack.kubectl("exec", pod, "-n", namespace, "-c", SIDECAR_NAME, "--",
+                         "python", "-c", SCRAPE)  # fmt: skip
+    pattern = rf'^{metric}_count\{{rank="(\d+)"\}} (\S+)$'
+    return {int(r): float(v) for r, v in re.findall(pattern, text, re.M)}
+
+
+def _exported(c: Any, namespace: str, pod: str, metric: str, ranks: set[int]) -> dict[int, float]:
+    """Waits for the pod's sidecar to count ``metric`` for each of ``ranks``; the counts."""
+    seen: dict[int, float] = {}
+
+    def served() -> bool:
+        seen.update(_per_rank_counts(c, namespace, pod, metric))
+        return ranks <= {r for r, n in seen.items() if n >= 1}
+
+    c.wait(served, f"{pod}'s sidecar to export {metric} of ranks {sorted(ranks)}", 120,
+           lambda: json.dumps(seen))  # fmt: skip
+    return seen
+
+
+@pytest.mark.incremental
+class TestTwoRanksPerPod:
+    """nprocPerNode 2, the GPU node's shape (examples/job-torchrun.yaml): each pod's trainer
+    container runs torchrun with 2 ranks, configured by the PET_* variables the operator
+    sets; the pod's one sidecar uploads both ranks' parts (rank 0's pod's also commits) and
+    exports a series per rank. A lost node takes 2 ranks: the job goes on as 2 pods x 2
+    ranks, loading the 6-rank checkpoint resharded to 4."""
+
+    JOB = "demo-2x"
+    state: dict[str, Lifecycle] = {}
+
+    @pytest.fixture
+    def scenario(self, stack: Stack, job_namespace: str) -> Lifecycle:
+        return self.state.setdefault(
+            "lifecycle",
+            Lifecycle(stack, job_namespace, self.JOB, example="job-torchrun.yaml"),
+        )
+
+    def _each_pod_serves_its_ranks(self, scenario: Lifecycle, metric: str) -> None:
+        """Every pod of the current attempt exports ``metric`` for exactly its two ranks."""
+        c, ns = scenario.cluster, scenario.namespace
+        for pod in c.attempt_pods(ns, self.JOB, scenario.attempt):
+            node_rank = int(pod.metadata.labels[LABEL_RANK])
+            ranks = {2 * node_rank, 2 * node_rank + 1}
+            seen = _exported(c, ns, pod.metadata.name, metric, ranks)
+            assert set(seen) == ranks, f"{pod.metadata.name} exports ranks {set(seen)}"
+
+    def test_one_sidecar_per_pod_persists_both_of_its_ranks(
+        self, scenario: Lifecycle, operator_installed: str
+    ) -> None:
+        st = scenario.commits_checkpoints()
+        assert st["worldSize"] == 3, st  # pods; 6 ranks
+        c, ns = scenario.cluster, scenario.namespace
+        pod = c.master(ns, self.JOB, scenario.attempt)
+        assert pod is not None
+        (start,) = [e for e in c.trainer_events(ns, pod) if e["event"] == "fresh_start"]
+        assert (start["world_size"], start["local_world_size"]) == (6, 2), start
+        # each pod's one sidecar uploaded both of its ranks' parts, and relayed their stalls
+        self._each_pod_serves_its_ranks(scenario, "ctj_checkpoint_upload_seconds")
+        self._each_pod_serves_its_ranks(scenario, "ctj_checkpoint_stall_seconds")
+
+    def test_a_lost_node_reshards_three_pods_of_two_ranks_to_two(
+        self, scenario: Lifecycle, node_control: NodeControl
+    ) -> None:
+        loss = scenario.loses_a_node()
+        result = {**loss.record("pods"), "ranks_per_pod": 2}
+        scenario.cluster.log(f"node loss, 2 ranks per pod: {json.dumps(result)}")
+        _record(result)
+        restored = loss.restored
+        assert (restored["saved_world_size"], restored["world_size"]) == (6, 4), restored
+        # both ranks of each new pod loaded (the restore is relayed per rank)
+        self._each_pod_serves_its_ranks(scenario, "ctj_checkpoint_restore_seconds")
+
+    def test_the_node_comes_back_and_the_job_grows_to_three_pods(
+        self, scenario: Lifecycle, node_control: NodeControl
+    ) -> None:
+        _, restored = scenario.node_returns()
+        assert (restored["saved_world_size"], restored["world_size"]) == (4, 6), restored
+
+    def test_deleting_the_job_removes_every_child(self, scenario: Lifecycle) -> None:
+        scenario.deleted()

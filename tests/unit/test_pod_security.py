@@ -220,10 +220,12 @@ def test_every_pod_the_chart_renders_is_restricted_with_a_read_only_root(
         assert writable_root(template["spec"]) == [], name
 
 
+@pytest.mark.parametrize("manifest", ["job.yaml", "job-torchrun.yaml"])
 @pytest.mark.parametrize("backend", ["pods", "pytorchjob"])
-def test_the_example_job_runs_in_a_restricted_namespace(backend: str) -> None:
-    """examples/job.yaml (the e2e tier's job, in a namespace that enforces `restricted`)."""
-    example = yaml.safe_load((ROOT / "examples" / "job.yaml").read_text())
+def test_the_example_job_runs_in_a_restricted_namespace(backend: str, manifest: str) -> None:
+    """examples/job.yaml and job-torchrun.yaml (the e2e tier's jobs, in a namespace that
+    enforces `restricted`)."""
+    example = yaml.safe_load((ROOT / "examples" / manifest).read_text())
     spec = JobSpec.parse({**example["spec"], "backend": backend})
     for pod_spec in pod_specs(spec):
         assert violations(pod_spec) == []

@@ -91,6 +91,13 @@ def test_the_example_job_runs_our_trainer_image_with_the_given_env() -> None:
     assert (job["metadata"]["name"], job["spec"]["backend"]) == ("demo", "pods")
     kf = _bare_stack().example_job("demo-kf", "pytorchjob")
     assert (kf["metadata"]["name"], kf["spec"]["backend"]) == ("demo-kf", "pytorchjob")
+    # examples/job-torchrun.yaml: the same script under torchrun, 2 ranks per pod
+    two = _bare_stack().example_job("demo-2x", example="job-torchrun.yaml")
+    assert two["spec"]["nprocPerNode"] == 2 and two["spec"]["checkpoint"] == original["spec"][
+        "checkpoint"
+    ] | {"stagingSizeLimit": "8Gi"}
+    command = two["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command == ["torchrun", "examples/train_fsdp.py"]
 
 
 def test_the_kubeflow_manifest_is_what_its_controller_expects() -> None:
