@@ -68,6 +68,7 @@ import functools
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -108,6 +109,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "stall_ratio_vs_dcp_best": ("<=", 1.0),
     "extra_memory_ratio": ("<=", 1.1),
     "goodput_ratio_vs_no_checkpoint": (">=", 0.95),
+    "goodput_ratio_pinned_vs_no_checkpoint": (">=", 0.97),
     "wallclock_reduction_vs_sync": (">=", 0.20),
 }
 
@@ -119,6 +121,7 @@ class RunTotals:
     saves: int = 0
     cpu: float = 0.0  # this rank process's CPU seconds (all threads) in segments + flushes
     server_cpu: float = 0.0  # the S3 server process's CPU seconds meanwhile
+    sidecar_cpu: float = 0.0  # the sidecar process's (--placed: ours persists there)
     stalls: list[float] = dataclasses.field(default_factory=list)
     rounds: list[float] = dataclasses.field(default_factory=list)  # seconds, round by round
 
@@ -465,7 +468,21 @@ def build_mlp(shape: MlpShape) -> tuple[Any, Any]:
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
 
 
+def pin(pid: int, cores: list[int]) -> None:
+    """Every thread of process ``pid`` onto ``cores``: affinity is per thread, and a
+    process's threads started later inherit their creator's."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, FileNotFoundError):
+            pass  # a thread that just ended
+
+
 def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
+    """Goodput rounds (module docstring). With ``placements`` (--placed) every round runs
+    the variants once per placement, each process moved onto its cores first, and ours
+    persists through a sidecar process (``sidecar_pid``); the result is then one goodput
+    dict per placement."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -493,12 +510,14 @@ def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
         for t in [*model.parameters(), *(v for s in opt.state.values() for v in s.values())]
         if hasattr(t, "to_local")
     )
+    sidecar_pid, server_pid = args.get("sidecar_pid"), args.get("server_pid")
     ckpt = Checkpointer(
         CheckpointConfig(
-            uri=f"{args['uri']}-goodput-every-{shape.every}",  # each run its own steps
+            uri=args["goodput_uri"],  # each run its own steps
             mode=Mode.INCREMENTAL,
             keep_last=2,
             staging_dir=args["staging"],
+            sidecar=sidecar_pid is not None,
         )
     )
     pending: list[Any] = []
@@ -517,13 +536,24 @@ def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
     variants: dict[str, tuple[Callable[[int], None] | None, Callable[[], None] | None]] = {
         "no_checkpoint": (None, None),
         "ours": (save_ours, flush_ours),
-        "dcp_sync": (save_sync, None),
     }
-    totals = {name: RunTotals() for name in variants}
-    server_pid = args.get("server_pid")
+    if sidecar_pid is None:  # DCP's saves run in the ranks: nothing to place apart
+        variants["dcp_sync"] = (save_sync, None)
+    placements: dict[str, dict[str, list[int]]] = args.get("placements") or {"": {}}
+    totals = {(p, name): RunTotals() for p in placements for name in variants}
 
-    def server_cpu_seconds() -> float:
-        return process_cpu_seconds(server_pid) if server_pid else 0.0
+    def cpu_of(pid: int | None) -> float:
+        return process_cpu_seconds(pid) if pid else 0.0
+
+    def place(cores: dict[str, list[int]]) -> None:
+        if not cores:
+            return
+        pin(os.getpid(), cores["ranks"])
+        if dist.get_rank() == 0:
+            for pid in (server_pid, sidecar_pid):
+                if pid:
+                    pin(pid, cores["checkpoint"])
+        dist.barrier()
 
     step = 0
 
@@ -541,43 +571,59 @@ def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
     try:
         save_ours(0)  # warm-up saves: our slot is allocated and touched, DCP's client made
         flush_ours()
-        save_sync(0)
+        if "dcp_sync" in variants:
+            save_sync(0)
         rounds = max(1, shape.steps // shape.every)
         for r in range(rounds):
-            names = list(variants)
-            for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated order
-                save, flush = variants[name]
-                t = totals[name]
-                cpu, server_cpu = process_cpu_seconds(), server_cpu_seconds()
-                loop = timed(functools.partial(segment, save, t.stalls))[0]
-                flushed = timed(flush)[0] if flush is not None else 0.0
-                t.loop, t.flush = t.loop + loop, t.flush + flushed
-                t.rounds.append(loop + flushed)
-                t.cpu += process_cpu_seconds() - cpu
-                t.server_cpu += server_cpu_seconds() - server_cpu
-                t.saves += save is not None
+            for placement, cores in placements.items():
+                place(cores)
+                names = list(variants)
+                for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated order
+                    save, flush = variants[name]
+                    t = totals[placement, name]
+                    cpu, server_cpu, sidecar_cpu = (
+                        process_cpu_seconds(), cpu_of(server_pid), cpu_of(sidecar_pid)
+                    )  # fmt: skip
+                    loop = timed(functools.partial(segment, save, t.stalls))[0]
+                    flushed = timed(flush)[0] if flush is not None else 0.0
+                    t.loop, t.flush = t.loop + loop, t.flush + flushed
+                    t.rounds.append(loop + flushed)
+                    t.cpu += process_cpu_seconds() - cpu
+                    t.server_cpu += cpu_of(server_pid) - server_cpu
+                    t.sidecar_cpu += cpu_of(sidecar_pid) - sidecar_cpu
+                    t.saves += save is not None
     finally:
         ckpt.close()
     steps = rounds * shape.every
-    out: dict[str, Any] = {
-        "state_bytes_per_rank": int(max_over_ranks(state_bytes)),
-        "rounds": rounds,
-        "steps_per_run": steps,
-    }
-    for name, t in totals.items():
-        out[name] = {
-            "loop_seconds": t.loop,
-            "flush_seconds": t.flush,
-            "total_seconds": t.loop + t.flush,
-            "steps_per_second": steps / (t.loop + t.flush),
-            "saves": t.saves,
-            "stall_seconds_mean": max_over_ranks(statistics.mean(t.stalls)) if t.stalls else 0.0,
-            # CPU seconds: both rank processes together; the server (same on every rank)
-            "trainer_cpu_seconds": over_ranks(t.cpu, "SUM"),
-            "server_cpu_seconds": max_over_ranks(t.server_cpu),
-            "round_seconds": t.rounds,
+    results: dict[str, dict[str, Any]] = {}
+    for placement, cores in placements.items():
+        out: dict[str, Any] = {
+            "state_bytes_per_rank": int(max_over_ranks(state_bytes)),
+            "rounds": rounds,
+            "steps_per_run": steps,
         }
-    return out
+        if cores:
+            out["cores"] = cores
+        for name in variants:
+            t = totals[placement, name]
+            out[name] = {
+                "loop_seconds": t.loop,
+                "flush_seconds": t.flush,
+                "total_seconds": t.loop + t.flush,
+                "steps_per_second": steps / (t.loop + t.flush),
+                "saves": t.saves,
+                "stall_seconds_mean": max_over_ranks(statistics.mean(t.stalls))
+                if t.stalls
+                else 0.0,
+                # CPU seconds: both rank processes together; the server and the sidecar
+                # (the same figure on every rank)
+                "trainer_cpu_seconds": over_ranks(t.cpu, "SUM"),
+                "server_cpu_seconds": max_over_ranks(t.server_cpu),
+                "sidecar_cpu_seconds": max_over_ranks(t.sidecar_cpu),
+                "round_seconds": t.rounds,
+            }
+        results[placement] = out
+    return results if args.get("placements") else results[""]
 
 
 # --------------------------------------------------------------------------- processes
@@ -718,6 +764,10 @@ def table(report: dict[str, Any]) -> str:
     if report.get("goodput_long"):
         long_every = report["config"]["long_every"]
         lines += goodput_table(report["goodput_long"], f"goodput, every {long_every} steps")
+    for placement, g in (report.get("goodput_placed") or {}).items():
+        cores = g["cores"]
+        title = f"{placement} (ranks {cores['ranks']}, ckpt {cores['checkpoint']}), every {every}"
+        lines += goodput_table(g, title)
     lines += ratio_lines(report, width=44)
     return "\n".join(lines)
 
@@ -726,16 +776,18 @@ def goodput_table(g: dict[str, Any], title: str) -> list[str]:
     lines = [
         "",
         f"{title:<30}{'loop s':>8}{'flush s':>8}{'total s':>8}{'steps/s':>8}"
-        f"{'saves':>6}{'stall s':>8}{'cpu s':>7}{'server cpu s':>13}",
-        "-" * 96,
+        f"{'saves':>6}{'stall s':>8}{'cpu s':>7}{'server cpu s':>13}{'sidecar cpu s':>14}",
+        "-" * 110,
     ]
     for name in ("no_checkpoint", "ours", "dcp_sync"):
+        if name not in g:  # sidecar mode runs no DCP save
+            continue
         r = g[name]
         lines.append(
             f"{name:<30}{r['loop_seconds']:>8.2f}{r['flush_seconds']:>8.2f}"
             f"{r['total_seconds']:>8.2f}{r['steps_per_second']:>8.2f}{r['saves']:>6}"
             f"{r['stall_seconds_mean']:>8.3f}{r['trainer_cpu_seconds']:>7.2f}"
-            f"{r['server_cpu_seconds']:>13.2f}"
+            f"{r['server_cpu_seconds']:>13.2f}{r['sidecar_cpu_seconds']:>14.2f}"
         )
     return lines
 
@@ -765,16 +817,53 @@ def place_server(server_pid: int | None, server_cores: int | None) -> dict[str, 
     if not server_pid or server_cores <= 0 or server_cores >= len(cores):
         return {"shared": cores}
     ranks, server = cores[:-server_cores], cores[-server_cores:]
-    # every thread: affinity is per thread, and a Go server (SeaweedFS) has started its
-    # threads already (threads it starts later inherit it from theirs)
-    for tid in os.listdir(f"/proc/{server_pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), server)
-        except ProcessLookupError:
-            pass  # a thread that just ended
+    pin(server_pid, server)  # a Go server (SeaweedFS) has started its threads already
     os.sched_setaffinity(0, ranks)
     log(f"cores: ranks {ranks}, S3 server {server}")
     return {"ranks": ranks, "server": server}
+
+
+def placements(train_cores: int | None) -> dict[str, dict[str, list[int]]]:
+    """--placed: "pinned" puts the ranks on ``train_cores`` cores (default: half) and the
+    checkpoint path (the sidecar and the S3 server) on the rest, as on a GPU node where
+    training runs on the GPUs and the host's cores are free; "shared" gives everyone
+    every core."""
+    cores = sorted(os.sched_getaffinity(0))
+    n = train_cores or len(cores) // 2
+    if len(cores) < 2 or not 0 < n < len(cores):
+        raise SystemExit(f"--placed needs 2+ cores and 0 < --train-cores < {len(cores)}")
+    return {
+        "pinned": {"ranks": cores[:n], "checkpoint": cores[n:]},
+        "shared": {"ranks": cores, "checkpoint": cores},
+    }
+
+
+@contextmanager
+def sidecar_process(uri: str, staging: str, env: dict[str, str]) -> Iterator[int]:
+    """``ctj sidecar`` persisting what the ranks stage under ``staging`` to ``uri``; its pid.
+    Its log goes to a temporary file, printed if it exits early."""
+    log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed below
+        prefix="ctj-bench-sidecar-", suffix=".log", delete=False
+    )
+    cmd = [sys.executable, "-m", "trainer_sidecar", "sidecar", "--uri", uri,
+           "--staging-dir", staging, "--grace", "60"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=dict(env, CTJ_CHECKPOINT_KEEP_LAST="2"), stdout=log_file, stderr=log_file
+    )
+    try:
+        yield proc.pid
+    finally:
+        early = proc.poll()
+        proc.terminate()
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log_file.close()
+        if early is not None:
+            print(f"the sidecar exited early ({early}):", open(log_file.name).read()[-3000:],
+                  file=sys.stderr)  # fmt: skip
+        os.unlink(log_file.name)
 
 
 def run(opts: argparse.Namespace) -> dict[str, Any]:
@@ -826,17 +915,34 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             log(f"stall: {row}")
             stall[row] = run_world("stall", dict(args, row=row), env)
             engine = stall[row].pop("engine")
-        goodput, goodput_long = None, None
-        if not opts.stall_only:
+        goodput, goodput_long, goodput_placed = None, None, None
+        uri = f"{args['uri']}-goodput-every-{mlp.every}"
+        if opts.placed and not opts.stall_only:
+            cores = placements(opts.train_cores)
+            log(f"goodput, sidecar mode, pinned {cores['pinned']} and shared: {mlp}")
+            with sidecar_process(uri, staging, env) as sidecar_pid:
+                goodput_placed = run_world("goodput", dict(
+                    args, goodput_uri=uri, placements=cores, sidecar_pid=sidecar_pid
+                ), env)  # fmt: skip
+            goodput_placed.pop("engine")
+        elif not opts.stall_only:
             log(f"goodput: {mlp}")
-            goodput = run_world("goodput", args, env)
+            goodput = run_world("goodput", dict(args, goodput_uri=uri), env)
             goodput.pop("engine")
-        if opts.long_every and not opts.stall_only:
+        if opts.long_every and not opts.stall_only and not opts.placed:
             long = dataclasses.replace(mlp, every=opts.long_every, steps=2 * opts.long_every)
             log(f"goodput at a longer interval: {long}")
-            goodput_long = run_world("goodput", dict(args, mlp=dataclasses.asdict(long)), env)
+            long_uri = f"{args['uri']}-goodput-every-{long.every}"
+            goodput_long = run_world(
+                "goodput", dict(args, mlp=dataclasses.asdict(long), goodput_uri=long_uri), env
+            )
             goodput_long.pop("engine")
     values = ratios(stall, goodput)
+    if goodput_placed is not None:
+        for where, g in goodput_placed.items():
+            median, spread = goodput_by_round(g)
+            values[f"goodput_ratio_{where}_vs_no_checkpoint"] = median
+            values[f"goodput_ratio_{where}_spread"] = spread
     if goodput_long is not None:  # reported beside the targets, not judged
         values["goodput_ratio_vs_no_checkpoint_long"] = goodput_by_round(goodput_long)[0]
         values["goodput_ratio_spread_long"] = goodput_by_round(goodput_long)[1]
@@ -856,6 +962,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             "long_every": opts.long_every,
             "quick": opts.quick,
             "stall_device": opts.device,
+            "placed": opts.placed,
         },
         "server": server,
         "engine": engine,
@@ -864,6 +971,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         "stall": stall,
         "goodput": goodput,
         "goodput_long": goodput_long,
+        "goodput_placed": goodput_placed,
         "ratios": values,
         "targets": judge(values),
     }
@@ -895,6 +1003,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "memory); goodput stays on the CPU",
     )
     parser.add_argument("--stall-only", action="store_true", help="skip the goodput phases")
+    parser.add_argument(
+        "--placed",
+        action="store_true",
+        help="goodput in sidecar mode, each round both pinned (the ranks on --train-cores "
+        "cores, the sidecar and the S3 server on the rest, as on a GPU node) and shared "
+        "(every process on every core); replaces the in-process goodput phases",
+    )
+    parser.add_argument(
+        "--train-cores", type=int, help="--placed: cores for the ranks (default: half)"
+    )
     add_s3_arguments(parser)
     parser.add_argument(
         "--server-cores",

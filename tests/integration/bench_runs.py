@@ -17,12 +17,14 @@ def finite(value: object) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-def run_quick(script: str, tmp_path: Path, *, table_header: str) -> dict[str, Any]:
-    """``python bench/<script> --quick --json``: it exits 0, prints its table, and writes a
-    report that names the machine; returns the report."""
+def run_quick(
+    script: str, tmp_path: Path, *, table_header: str, args: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """``python bench/<script> --quick --json`` (and ``args``): it exits 0, prints its
+    table, and writes a report that names the machine; returns the report."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, f"bench/{script}", "--quick", "--json", str(out)],
+        [sys.executable, f"bench/{script}", "--quick", "--json", str(out), *args],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=ROOT),
         capture_output=True,

@@ -1,4 +1,5 @@
-"""bench/bench_async.py --quick runs end to end and writes the documented JSON.
+"""bench/bench_async.py --quick runs end to end and writes the documented JSON, and so
+does its --placed goodput (sidecar mode, pinned and shared cores).
 
 Timing ratios are not asserted (they depend on the machine): only that every figure
 is there and is a sane number.
@@ -6,6 +7,7 @@ is there and is a sane number.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,7 @@ TARGETS = {
 def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
     pytest.importorskip("s3torchconnector.dcp", reason="the DCP rows write through it")
     report = run_quick("bench_async.py", tmp_path, table_header="stall (slowest rank, median)")
+    assert KEYS <= set(report), KEYS - set(report)
     assert report["config"]["world_size"] == 2 and report["config"]["quick"] is True
 
     assert set(report["stall"]) == STALL_ROWS
@@ -82,3 +85,26 @@ def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
     for name, target in report["targets"].items():
         assert target["value"] == ratios[name] and isinstance(target["met"], bool), name
         assert target["target"].split()[0] in ("<=", ">="), name
+
+
+def test_quick_placed_run_puts_the_ranks_apart_from_the_sidecar_and_the_server(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("s3torchconnector.dcp", reason="the DCP stall rows write through it")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("--placed needs 2 cores: one for the ranks, one for the checkpoint path")
+    report = run_quick("bench_async.py", tmp_path, table_header="pinned (ranks", args=("--placed",))
+    assert report["goodput"] is None and report["goodput_long"] is None  # replaced
+    placed = report["goodput_placed"]
+    assert set(placed) == {"pinned", "shared"}
+    pinned = placed["pinned"]["cores"]
+    assert pinned["ranks"] and pinned["checkpoint"]
+    assert not set(pinned["ranks"]) & set(pinned["checkpoint"])
+    for where, g in placed.items():
+        assert set(g) >= {"no_checkpoint", "ours"} and "dcp_sync" not in g, where
+        ours = g["ours"]
+        assert ours["saves"] == g["rounds"] >= 1 and ours["total_seconds"] > 0, where
+        # ours persisted through the sidecar process, to the server
+        assert ours["sidecar_cpu_seconds"] > 0 and ours["server_cpu_seconds"] > 0, where
+        assert finite(report["ratios"][f"goodput_ratio_{where}_vs_no_checkpoint"]), where
+    assert isinstance(report["targets"]["goodput_ratio_pinned_vs_no_checkpoint"]["met"], bool)
