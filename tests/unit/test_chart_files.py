@@ -99,6 +99,11 @@ def test_dashboard_shows_every_metric_the_code_defines() -> None:
 
 JOB_FILTER = 'namespace=~"$namespace", job_name=~"$job"'
 _P95 = "histogram_quantile(0.95, sum by (namespace, job_name, le) (rate({}_bucket{{" + JOB_FILTER
+# one sidecar exports each rank of its pod (label rank): the slowest rank's p95 per job
+_SLOWEST_RANK = (
+    "max by (namespace, job_name) (histogram_quantile(0.95, sum by (namespace, job_name, rank, "
+    "le) (rate({}_bucket{{" + JOB_FILTER
+)
 # series of the operator as a whole: they carry no job to filter by (their panels say
 # "all jobs"); every other series of the dashboard is filtered by both variables
 PROCESS_WIDE = {
@@ -116,6 +121,8 @@ _SELECTOR = re.compile(r"\b(ctj_[a-z0-9_]+)(\{[^}]*\})?")
     [
         ("Stall p50 / p95", _P95.format("ctj_checkpoint_stall_seconds")),
         ("Upload p50 / p95", _P95.format("ctj_checkpoint_upload_seconds")),
+        ("Stall p50 / p95", _SLOWEST_RANK.format("ctj_checkpoint_stall_seconds")),
+        ("Upload p50 / p95", _SLOWEST_RANK.format("ctj_checkpoint_upload_seconds")),
         ("Commit p50 / p95", _P95.format("ctj_checkpoint_commit_seconds")),
         ("Restore p50 / p95", _P95.format("ctj_checkpoint_restore_seconds")),
         ("Checkpoint bytes rate by kind", "sum by (namespace, job_name, kind) (rate(ctj_chec"),
