@@ -314,6 +314,30 @@ def test_a_sidecar_serving_every_rank_commits_and_frees_the_slots(tmp_path: Path
     assert set(manifest.files) == {"__0_0.distcp", "__1_0.distcp"}
 
 
+def test_a_sidecar_uploads_a_rank_staged_while_rank0_s_commit_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    """Two ranks of one pod, one sidecar: rank 0 staged first, rank 1 only once the sidecar
+    was already waiting to commit rank 0's save. The part it waits for is its own to
+    upload; it must not wait out the commit timeout (found by bench_async --placed: two
+    ranks on one core, step 151 failed after 600 s)."""
+    store = MemoryStore()
+    p = persister(store, tmp_path, rank=None, timeout=60)
+    fut = p.watch(STEP, A2, 0)
+    stage(tmp_path, 0, 2, plan(A2), staged_at=time.time())
+    with cf.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(p.run_once)
+        deadline = time.monotonic() + 5
+        while not store.keys(part_prefix(STEP, A2)) and time.monotonic() < deadline:
+            time.sleep(0.005)  # rank 0's part stored: the commit is waiting for rank 1's
+        stage(tmp_path, 1, 2, plan(A2), staged_at=time.time())
+        assert running.result(timeout=10) is True
+    manifest = fut.result(timeout=0)
+    assert isinstance(manifest, Manifest)
+    assert set(manifest.files) == {"__0_0.distcp", "__1_0.distcp"}
+    assert slots.pending(tmp_path) == []
+
+
 def test_rank0_keeps_its_slot_until_the_commit_is_decided(tmp_path: Path) -> None:
     store = MemoryStore()
     p = persister(store, tmp_path, rank=0, timeout=0.3)

@@ -245,11 +245,17 @@ class Persister:
         return manifest
 
     def _wait_for_parts(self, staged: slots.StagedCheckpoint) -> None:
-        """Poll the save's parts (the other ranks are other processes): until all are
-        there, one says it failed, or the commit timeout passes."""
+        """Poll the save's parts: until all are there, one says it failed, or the commit
+        timeout passes. Meanwhile the other ranks this persister serves are uploaded as
+        they are staged: a sidecar serves every rank of its pod (nprocPerNode), and the
+        part rank 0's commit waits for may be one only it can upload, staged after
+        ``run_once`` looked (a rank that staged later than rank 0 would otherwise wait
+        for the commit timeout, and the save fail)."""
         give_up = time.monotonic() + self.config.commit_timeout_s
         delay = 0.01
         while True:
+            if self._upload_other_ranks():
+                delay = 0.01
             state = commits.progress(self.store, staged.step, staged.save)
             if state.failed:
                 why = commits.failure_reasons(self.store, staged.step, staged.save, state.failed)
@@ -269,6 +275,17 @@ class Persister:
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
+
+    def _upload_other_ranks(self) -> bool:
+        """Upload every slot staged now by a rank other than 0 that this persister serves
+        (none in process mode: it serves its own rank); True if there was one."""
+        if self.rank is not None:
+            return False
+        others = [(slot, s) for slot, s in slots.pending(self.root) if s.rank != 0]
+        for slot, staged in others:
+            if self._upload_or_report(slot, staged):
+                self._finish(slot, staged, None)
+        return bool(others)
 
     def _retention(self, step: int) -> None:
         try:
