@@ -87,6 +87,14 @@ def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
         assert target["target"].split()[0] in ("<=", ">="), name
 
 
+PLACED_RATIOS = (
+    "goodput_ratio_{}_vs_no_checkpoint",
+    "loop_ratio_{}_vs_no_checkpoint",
+    "checkpoint_cpu_seconds_per_save_{}",
+    "seconds_between_saves_{}",
+)
+
+
 def test_quick_placed_run_puts_the_ranks_apart_from_the_sidecar_and_the_server(
     tmp_path: Path,
 ) -> None:
@@ -106,5 +114,7 @@ def test_quick_placed_run_puts_the_ranks_apart_from_the_sidecar_and_the_server(
         assert ours["saves"] == g["rounds"] >= 1 and ours["total_seconds"] > 0, where
         # ours persisted through the sidecar process, to the server
         assert ours["sidecar_cpu_seconds"] > 0 and ours["server_cpu_seconds"] > 0, where
-        assert finite(report["ratios"][f"goodput_ratio_{where}_vs_no_checkpoint"]), where
+        for ratio in PLACED_RATIOS:
+            value = report["ratios"][ratio.format(where)]
+            assert finite(value) and value > 0, (ratio, where)
     assert isinstance(report["targets"]["goodput_ratio_pinned_vs_no_checkpoint"]["met"], bool)
