@@ -214,6 +214,8 @@ class TestTwoRanksPerPod:
         _record(result)
         restored = loss.restored
         assert (restored["saved_world_size"], restored["world_size"]) == (6, 4), restored
+        tiers = restored.get("bytes_by_tier") or {}  # the node agents held both ranks' shares
+        assert tiers.get("local", 0) + tiers.get("peer", 0) > 0, tiers
         # both ranks of each new pod loaded (the restore is relayed per rank)
         self._each_pod_serves_its_ranks(scenario, "ctj_checkpoint_restore_seconds")
 
