@@ -46,7 +46,7 @@ CHECKPOINT_PHASES: dict[str, tuple[tuple[str, str], tuple[str, str] | None]] = {
     "load_2to3": (("load_ours_w3", "seconds"), ("load_boto3_w3", "seconds")),
 }
 # the node tier's restore 3 -> 2 with replication, and the S3-only restore beside it
-TIER_PHASE = ("node_tier_restore_3to2", "replicated_w2_agent", "s3_only_w2")
+TIER_PHASE = ("node_tier_restore_3to2", "replicated_w2", "s3_only_w2")  # --via agent: unsuffixed
 PHASES = [*CHECKPOINT_PHASES, TIER_PHASE[0]]
 
 

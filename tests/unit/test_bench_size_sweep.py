@@ -44,7 +44,7 @@ def reports(gib: int, ours_s: float, anchor_s: float) -> tuple[dict[str, Any], d
     tier = {
         "config": {"total_bytes": gib * GIB},
         "variants": {
-            "replicated_w2_agent": {"seconds_median": ours_s * gib},
+            "replicated_w2": {"seconds_median": ours_s * gib},
             "s3_only_w2": {"seconds_median": anchor_s * gib},
         },
     }
