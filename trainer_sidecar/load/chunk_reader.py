@@ -22,7 +22,7 @@ from ..errors import CorruptCheckpointError, ObjectNotFound
 from ..format import codecs
 from ..format.chunking import blocks_for_range, blocks_match, max_stored_size
 from ..format.manifest import ChunkRef, FileEntry, Manifest
-from ..store.base import ObjectStore, read_bounded
+from ..store.base import ObjectStore, read_bounded, read_into
 from .tiers import ChunkTiers, Tier
 
 
@@ -90,22 +90,50 @@ class ChunkReader:
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
 
-    def fetch_verified(self, chunk: ChunkRef, start: int, end: int) -> memoryview:
+    def fetch_verified(
+        self, chunk: ChunkRef, start: int, end: int, into: memoryview | None = None
+    ) -> memoryview:
         """Bytes [start, end) of one chunk, verified: from the nearest tier that holds
         them (node cache, peers), else by block-aligned ranged GET from the store. A
-        read-only view of what was fetched (slicing copies nothing)."""
+        read-only view of what was fetched (slicing copies nothing); or, given ``into``
+        (a writable view of ``end - start`` bytes), the bytes are written there and that
+        is the result. A store GET of a block-aligned range goes straight into ``into``
+        and is verified there: a read that fails its check raises, having written
+        unverified bytes only into the buffer of a load that fails."""
         bs = self.manifest.block_size
+        a, b = blocks_for_range(start, end, chunk.size, bs) if chunk.size else (0, 0)
         if self.tiers is not None:
-            a, b = blocks_for_range(start, end, chunk.size, bs) if chunk.size else (0, 0)
             for tier, data in self.tiers.candidates(chunk, a, b):
                 if self._verified(chunk, data, a):
                     self._count(len(data), tier)
-                    return memoryview(data)[start - a : end - a]
+                    return _placed(memoryview(data)[start - a : end - a], into)
                 self.tiers.reject(tier, chunk)
+        if into is not None and (a, b) == (start, end) and codecs.is_ranged(chunk.codec):
+            self._into_from_store(chunk, a, b, into)
+            if self.tiers is not None and a == 0 and b == chunk.size:
+                self.tiers.keep(chunk, into)
+            return into
         data, a = self._from_store(chunk, start, end)
         if self.tiers is not None and a == 0 and len(data) == chunk.size:
             self.tiers.keep(chunk, data)
-        return memoryview(data)[start - a : end - a]
+        return _placed(memoryview(data)[start - a : end - a], into)
+
+    def _into_from_store(self, chunk: ChunkRef, a: int, b: int, into: memoryview) -> None:
+        """Block-aligned bytes [a, b) of an uncompressed chunk, GET from the store into
+        ``into`` and verified there; the same bounds and checks as ``_from_store``."""
+        step = self.manifest.step
+        whole = a == 0 and b == chunk.size  # one byte more tells a larger object from it
+        try:
+            n = read_into(self.store, chunk.key, into, byte_range=(a, b + 1 if whole else b))
+        except ObjectNotFound:
+            raise CorruptCheckpointError(step, chunk.id, "is missing") from None
+        self._count(min(n, into.nbytes), Tier.STORE)  # a larger object is not read
+        if n > b - a:
+            raise CorruptCheckpointError(step, chunk.id, f"is larger than its {chunk.size} bytes")
+        if n < b - a:
+            raise CorruptCheckpointError(step, chunk.id, "is truncated")
+        if not self._verified(chunk, into, a):
+            raise CorruptCheckpointError(step, chunk.id, "fails its hash check")
 
     def _from_store(self, chunk: ChunkRef, start: int, end: int) -> tuple[bytes, int]:
         """(verified raw bytes [a, b) covering [start, end), a) read from the store. Never
@@ -148,7 +176,7 @@ class ChunkReader:
             raise CorruptCheckpointError(self.manifest.step, chunk.id, "fails its hash check")
         return data, a
 
-    def _verified(self, chunk: ChunkRef, data: bytes, a: int) -> bool:
+    def _verified(self, chunk: ChunkRef, data: bytes | memoryview, a: int) -> bool:
         """Every block of ``data`` (chunk bytes from offset ``a``, block-aligned) matches."""
         bs = self.manifest.block_size
         return blocks_match(data, chunk.blocks, a // bs, bs)
@@ -218,6 +246,10 @@ class ChunkReader:
 
         def fetch(k: int) -> memoryview | None:
             cid, a, b = fetches[k]
+            if k not in needed and len(placed[k]) == 1 and placed[k][0][1:] == (0, b - a):
+                # the whole fetch is one range's bytes: read it into their place
+                self.fetch_verified(chunks[cid], a, b, into=placed[k][0][0].data)
+                return None
             data = self.fetch_verified(chunks[cid], a, b)
             if placed[k]:
                 src = np.frombuffer(data, np.uint8)
@@ -241,6 +273,14 @@ class ChunkReader:
 
     def read_file(self, name: str) -> bytes:
         return bytes(self.read_ranges([(name, 0, self.manifest.files[name].size)])[0])
+
+
+def _placed(data: memoryview, into: memoryview | None) -> memoryview:
+    """``data``, copied into ``into`` when given (numpy's copy, without the GIL)."""
+    if into is None:
+        return data
+    np.frombuffer(into, np.uint8)[:] = np.frombuffer(data, np.uint8)
+    return into
 
 
 def _joined(parts: list[memoryview], size: int) -> memoryview:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
 from ..store import repository
-from ..store.base import Location, ObjectInfo, ObjectStore
+from ..store.base import Location, ObjectInfo, ObjectStore, read_into
 from ..store.local import LocalStore
 from ..store.s3 import S3Settings, S3Store, open_store
 
@@ -56,6 +56,9 @@ class ReadOnlyStore:
 
     def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
         return self.inner.get(key, byte_range=byte_range)
+
+    def get_into(self, key: str, into: memoryview, *, byte_range: tuple[int, int]) -> int:
+        return read_into(self.inner, key, into, byte_range=byte_range)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         return self.inner.list(prefix)

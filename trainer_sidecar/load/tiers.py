@@ -92,7 +92,7 @@ class ChunkTiers:
         elif tier == Tier.PEER and self.peers is not None:
             self.peers.reject(chunk.id)
 
-    def keep(self, chunk: ChunkRef, raw: bytes) -> None:
+    def keep(self, chunk: ChunkRef, raw: bytes | memoryview) -> None:
         """A whole chunk read from the store, verified: the node holds it from now on."""
         if self.cache is not None:
             self.cache.keep(chunk.id, raw)

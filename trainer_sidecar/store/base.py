@@ -60,6 +60,29 @@ def read_bounded(store: ObjectStore, key: str, max_bytes: int) -> bytes:
     return store.get(key, byte_range=(0, max_bytes + 1))
 
 
+@runtime_checkable
+class ReadsInto(Protocol):
+    """A store that can write a GET's bytes straight into a caller's buffer (S3Store)."""
+
+    def get_into(self, key: str, into: memoryview, *, byte_range: tuple[int, int]) -> int: ...
+
+
+def read_into(
+    store: ObjectStore, key: str, into: memoryview, *, byte_range: tuple[int, int]
+) -> int:
+    """The bytes of ``key`` in ``byte_range`` written into ``into``; how many the object has
+    there. When that is more than ``into`` holds, nothing is written (the caller refuses the
+    object). A store that ``ReadsInto`` puts the bytes in place as they arrive, without a
+    buffer of its own or a copy (a load's chunks go so into the tensors); any other store
+    is read with ``get`` and copied. ``ObjectNotFound`` as ``get``."""
+    if isinstance(store, ReadsInto):
+        return store.get_into(key, into, byte_range=byte_range)
+    data = store.get(key, byte_range=byte_range)
+    if len(data) <= into.nbytes:
+        into[: len(data)] = data
+    return len(data)
+
+
 def bounded_reader(store: ObjectStore, max_bytes: int) -> Callable[[str], bytes]:
     """``read_bounded`` of ``store`` as a one-argument fetch (a manifest's rank manifests)."""
     return functools.partial(read_bounded, store, max_bytes=max_bytes)

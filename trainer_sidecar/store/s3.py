@@ -42,6 +42,7 @@ import base64
 import builtins
 import dataclasses
 import functools
+import http.client
 import io
 import logging
 import os
@@ -259,6 +260,43 @@ class _ViewReader(io.RawIOBase):
         may outlive the call, and a live view would keep the slot's mapping open."""
         self._view.release()
         super().close()
+
+
+def _socket_reader(body: Any) -> http.client.HTTPResponse | None:
+    """The http.client response under a botocore body, when its bytes may be read from it
+    directly: urllib3's own ``readinto`` reads into a new bytes and copies that (a second
+    pass over every byte), http.client's lets the socket fill the caller's buffer. Private
+    attributes of botocore (``_raw_stream``) and urllib3 (``_fp``), checked here; a version
+    without them, or a body urllib3 would decode, is read the public way (test_s3_store
+    fails if the pinned versions lose the direct path)."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if not isinstance(fp, http.client.HTTPResponse) or not hasattr(raw, "release_conn"):
+        return None
+    assert raw is not None
+    if raw.headers.get("content-encoding", "identity") != "identity":
+        return None
+    return fp
+
+
+def _read_body_into(body: Any, view: memoryview) -> int:
+    """Read a GET's body into ``view`` until it is full or the body ends; how many bytes.
+    The connection goes back to the pool once the body is read to its end."""
+    fp = _socket_reader(body)
+    pos, size = 0, view.nbytes
+    while pos < size:
+        if fp is not None:
+            n = fp.readinto(view[pos:])
+        else:
+            data = body.read(min(size - pos, 1 << 20))
+            n = len(data)
+            view[pos : pos + n] = data
+        if not n:
+            break
+        pos += n
+    if fp is not None and fp.isclosed():  # http.client closes itself at the body's end
+        body._raw_stream.release_conn()
+    return pos
 
 
 class _NotImplemented(CheckpointError):
@@ -533,6 +571,32 @@ class S3Store:
             if expected is not None and len(data) != expected:
                 raise ShortBody(len(data), expected)
             return data
+
+        return self._retrying("GET", key, once)
+
+    def get_into(self, key: str, into: memoryview, *, byte_range: tuple[int, int]) -> int:
+        """``get`` of ``byte_range`` written into ``into`` as the bytes arrive (base.read_into).
+        A response larger than ``into`` is not read: its length is returned."""
+        extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"}
+
+        def once() -> int:
+            try:
+                resp = self._s3.get_object(Bucket=self.bucket, Key=self.prefix + key, **extra)
+            except bex.ClientError as exc:
+                if _range_not_satisfiable(exc):
+                    return 0
+                raise
+            body = resp["Body"]
+            try:
+                expected = int(resp["ContentLength"])
+                if expected > into.nbytes:
+                    return expected
+                got = _read_body_into(body, into[:expected])
+            finally:
+                body.close()
+            if got != expected:
+                raise ShortBody(got, expected)
+            return expected
 
         return self._retrying("GET", key, once)
 
