@@ -40,7 +40,9 @@ s3torchconnector is optional (not a project dependency): without it its rows are
 skipped with a message. ``--no-deps`` keeps it from replacing our torch; its wheel
 does not declare ``tenacity``, which it imports, hence the third package.
 Without ``--endpoint-url`` a moto server (``--s3 seaweedfs``: SeaweedFS) is started on
-loopback for the run.
+loopback for the run. ``--cpu-hog N`` runs N busy processes beside every phase, as a
+trainer's own work would (ours and the anchors share the cores with them alike): the
+save's target against raw multipart is then >= 0.9 (issue 27).
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ TARGETS: dict[str, tuple[str, float, str]] = {
     "save_cpu_ratio_vs_boto3": ("<=", 1.2, "<= 1.0"),
     "load_cpu_ratio_vs_raw_get_2to2": ("<=", 1.2, ""),
     "load_cpu_ratio_vs_raw_get_2to1": ("<=", 1.2, ""),
+}
+HOGGED_TARGETS: dict[str, tuple[str, float, str]] = {
+    # issue 27: the save keeps up with raw multipart when a busy process shares the cores
+    "save_throughput_ratio_vs_boto3": (">=", 0.9, ""),
 }
 
 
@@ -627,6 +633,22 @@ def _seaweedfs() -> Iterator[tuple[str, str, int | None]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@contextmanager
+def cpu_hogs(n: int) -> Iterator[list[int]]:
+    """``n`` processes that spin on a core each for as long as the block runs (every phase,
+    ours and the anchors alike, shares the cores with them): their pids."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        for _ in range(n)
+    ]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def s3tc_status() -> str | None:
     """None when s3torchconnector's DCP classes import; otherwise why not."""
     try:
@@ -747,9 +769,11 @@ def ratios(phases: dict[str, dict[str, Any]], load_worlds: list[int]) -> dict[st
     return out
 
 
-def judge(values: dict[str, float]) -> dict[str, dict[str, Any]]:
+def judge(values: dict[str, float], *, hogged: bool = False) -> dict[str, dict[str, Any]]:
+    """Each target's value and whether it is met; with a CPU hog beside the run, the
+    targets for that case replace the idle machine's."""
     out = {}
-    for name, (op, floor, aim) in TARGETS.items():
+    for name, (op, floor, aim) in (TARGETS | HOGGED_TARGETS if hogged else TARGETS).items():
         if name in values:
             v = values[name]
             met = v >= floor if op == ">=" else v <= floor
@@ -842,12 +866,15 @@ def measure(opts: argparse.Namespace, shape: StateShape, s3tc: bool) -> dict[str
             f"state: {shape.tensors} x ({shape.rows} x {COLS}) fp32 = "
             f"{shape.total_bytes / MIB:.0f} MiB over {SAVE_WORLD} ranks; server: {server}"
         )
-        saved = run_world(SAVE_WORLD, "save", args, env)
-        phases = saved["phases"]
-        for world in opts.load_worlds:
-            log(f"loading at {world} ranks")
-            loaded = run_world(world, "load", dict(args, **saved["checksums"]), env)
-            phases.update(loaded["phases"])
+        if opts.cpu_hog:
+            log(f"{opts.cpu_hog} CPU hog process(es) spinning beside every phase")
+        with cpu_hogs(opts.cpu_hog):
+            saved = run_world(SAVE_WORLD, "save", args, env)
+            phases = saved["phases"]
+            for world in opts.load_worlds:
+                log(f"loading at {world} ranks")
+                loaded = run_world(world, "load", dict(args, **saved["checksums"]), env)
+                phases.update(loaded["phases"])
     return {"phases": phases, "server": server, "engine": saved["engine"]}
 
 
@@ -879,6 +906,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             "load_world_sizes": [SAVE_WORLD, *opts.load_worlds],
             "boto3": {"part_size": PART_SIZE, "threads": THREADS},
             "quick": opts.quick,
+            "cpu_hogs": opts.cpu_hog,
         },
         "server": measured["server"],
         "engine": measured["engine"],
@@ -886,7 +914,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         "skipped": skipped,
         "phases": phases,
         "ratios": values,
-        "targets": judge(values),
+        "targets": judge(values, hogged=opts.cpu_hog > 0),
     }
 
 
@@ -905,7 +933,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--no-s3torchconnector", dest="no_s3tc", action="store_true", help="skip its rows"
     )
+    parser.add_argument(
+        "--cpu-hog",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N busy processes beside every phase (a trainer's own CPU load); "
+        "the save's target vs raw multipart is then >= 0.9",
+    )
     opts = parser.parse_args(argv)
+    if opts.cpu_hog < 0:
+        parser.error(f"--cpu-hog {opts.cpu_hog}: use 0 or more processes")
     if opts.quick:
         opts.total_mib = 32
     opts.load_worlds = [int(w) for w in opts.load_worlds.split(",") if w.strip()]
