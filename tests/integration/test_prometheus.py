@@ -31,6 +31,7 @@ ALLOWED_LABELS = {
     "stage",
     "kind",
     "tier",
+    "rank",  # the per-rank histograms (stall, upload, restore): at most slots.MAX_RANKS values
     "le",
     "version",
     "component",
