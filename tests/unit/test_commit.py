@@ -300,6 +300,14 @@ def persister(store: MemoryStore, root: Path, *, rank: int | None, timeout: floa
     return Persister(store, config, root=root, metrics=CheckpointMetrics(), rank=rank)
 
 
+def wait_for_a_part(store: MemoryStore) -> None:
+    """Until a rank's part of step STEP's save A2 is stored (5 s at most)."""
+    deadline = time.monotonic() + 5
+    while not store.keys(part_prefix(STEP, A2)):
+        assert time.monotonic() < deadline, "no part was stored"
+        time.sleep(0.005)
+
+
 def test_a_sidecar_serving_every_rank_commits_and_frees_the_slots(tmp_path: Path) -> None:
     store = MemoryStore()
     p = persister(store, tmp_path, rank=None)
@@ -327,9 +335,7 @@ def test_a_sidecar_uploads_a_rank_staged_while_rank0_s_commit_waits_for_it(
     stage(tmp_path, 0, 2, plan(A2), staged_at=time.time())
     with cf.ThreadPoolExecutor(1) as pool:
         running = pool.submit(p.run_once)
-        deadline = time.monotonic() + 5
-        while not store.keys(part_prefix(STEP, A2)) and time.monotonic() < deadline:
-            time.sleep(0.005)  # rank 0's part stored: the commit is waiting for rank 1's
+        wait_for_a_part(store)  # rank 0's: the commit is waiting for rank 1's
         stage(tmp_path, 1, 2, plan(A2), staged_at=time.time())
         assert running.result(timeout=10) is True
     manifest = fut.result(timeout=0)
@@ -345,9 +351,7 @@ def test_rank0_keeps_its_slot_until_the_commit_is_decided(tmp_path: Path) -> Non
     stage(tmp_path, 0, 2, plan(A2), staged_at=time.time())
     with cf.ThreadPoolExecutor(1) as pool:
         running = pool.submit(p.run_once)
-        deadline = time.monotonic() + 5
-        while not store.keys(part_prefix(STEP, A2)) and time.monotonic() < deadline:
-            time.sleep(0.005)  # wait for rank 0's part to be stored
+        wait_for_a_part(store)  # rank 0's
         assert [s.step for _, s in slots.pending(tmp_path)] == [STEP]  # uploaded, not freed
         running.result(timeout=10)
     with pytest.raises(SaveFailed, match="only 1 of 2 ranks uploaded"):
