@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from trainer_sidecar import CheckpointConfig, Checkpointer, CheckpointError
 from trainer_sidecar.errors import StoreUnavailable
 from trainer_sidecar.format.manifest import METADATA_FILE, RANKS, Mode, manifest_key
 from trainer_sidecar.store import repository as repo
-from trainer_sidecar.store.base import ObjectInfo, ObjectStore
+from trainer_sidecar.store.base import ObjectInfo, ObjectStore, read_into
 from trainer_sidecar.store.s3 import S3Settings, open_store
 
 pytestmark = pytest.mark.integration
@@ -232,6 +232,12 @@ class RecordingStore:
     def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
         self.read.append(key)
         return self.inner.get(key, byte_range=byte_range)
+
+    def get_into(
+        self, key: str, into: Sequence[memoryview], *, byte_range: tuple[int, int]
+    ) -> int:  # the chunks' reads into the tensors (store/base.py read_into)
+        self.read.append(key)
+        return read_into(self.inner, key, into, byte_range=byte_range)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -11,11 +11,12 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from tests.conftest import traced_peak
 from tests.unit.test_bounds import encoded, inline_body
 from trainer_sidecar.errors import CorruptCheckpointError
 from trainer_sidecar.format.chunking import hash_chunk
 from trainer_sidecar.format.manifest import ChunkRef, FileEntry, Manifest
-from trainer_sidecar.load.chunk_reader import ChunkReader
+from trainer_sidecar.load.chunk_reader import MAX_SCRATCH, ChunkReader
 from trainer_sidecar.store.base import Location
 from trainer_sidecar.store.s3 import S3Settings, S3Store
 
@@ -58,10 +59,15 @@ def test_a_whole_chunk_lands_in_place_and_a_block_range_too(s3_uri: str) -> None
     assert part.tobytes() == body[MIB : 2 * MIB]
     assert store.ranges == [(0, len(body) + 1), (MIB, 2 * MIB)]
     assert reader.stats.bytes_fetched == len(body) + MIB
-    # a range that is not block-aligned is fetched as its blocks, then copied into place
-    odd = np.zeros(10, np.uint8)
-    reader.read_ranges([("w", MIB + 3, MIB + 13)], into=[odd.data])
-    assert odd.tobytes() == body[MIB + 3 : MIB + 13] and len(store.ranges) == 2
+    # ranges that are not block-aligned: their blocks' GET, the bytes wanted going into
+    # place and the others into scratch, every block hashed across the buffers it fell in
+    odd, other = np.zeros(10, np.uint8), np.zeros(MIB + 9, np.uint8)
+    reader.read_ranges(
+        [("w", MIB + 3, MIB + 13), ("w", MIB + 20, 2 * MIB + 29)], into=[odd.data, other.data]
+    )
+    assert odd.tobytes() == body[MIB + 3 : MIB + 13]
+    assert other.tobytes() == body[MIB + 20 : 2 * MIB + 29]
+    assert store.ranges[2:] == [(MIB, 3 * MIB)]  # one GET of the two blocks both touch
 
 
 HOSTILE: dict[str, tuple[Callable[[bytes], bytes], str]] = {
@@ -84,3 +90,40 @@ def test_a_hostile_chunk_object_is_refused_in_place(kind: str, s3_uri: str) -> N
         reader.read_ranges([("w", 0, len(body))], into=[out.data])
     assert store.ranges == [(0, len(body) + 1)]
     assert reader.stats.bytes_fetched <= len(body)  # the larger object: not read at all
+
+
+def test_a_block_altered_where_no_range_reads_is_still_refused(s3_uri: str) -> None:
+    """The bytes between two ranges go to scratch, and are hashed like the rest."""
+    body = os.urandom(2 * MIB)
+    altered = bytearray(body)
+    altered[MIB + 100] ^= 1  # between the two ranges below
+    store, reader, ref = planted(s3_uri, body, bytes(altered))
+    a, b = np.zeros(50, np.uint8), np.zeros(50, np.uint8)
+    with pytest.raises(CorruptCheckpointError, match="fails its hash check"):
+        reader.read_ranges(
+            [("w", MIB, MIB + 50), ("w", MIB + 200, MIB + 250)], into=[a.data, b.data]
+        )
+    assert store.ranges == [(MIB, 2 * MIB)]
+
+
+def test_a_record_claiming_more_than_its_object_holds_costs_about_the_object(
+    s3_uri: str,
+) -> None:
+    """Scratch for the bytes around a range is set aside before the GET: at most
+    MAX_SCRATCH of it, so a record's claim (60 MiB, 20 bytes stored) cannot make a read
+    allocate what the object does not hold. With 4 MiB blocks a 10-byte range would need
+    more: it is read the plain way, into a buffer the size of what arrives."""
+    store = CountingS3(s3_uri)
+    out = np.zeros(10, np.uint8)
+    for block_size in (MIB, 4 * MIB):
+        blocks = ("ab" * 32,) * (60 * MIB // block_size)
+        ref = ChunkRef("ab" * 32, 60 * MIB, 60 * MIB, "none", blocks)
+        store.put(ref.key, b"x" * 20)
+        files = {"w": FileEntry(ref.size, (ref,)).to_json()}
+        body = inline_body(block_size=block_size, files=files)
+        reader = ChunkReader(store, Manifest.from_bytes(encoded(body)))
+        with traced_peak() as peak:
+            with pytest.raises(CorruptCheckpointError, match="is truncated"):
+                reader.read_ranges([("w", 5, 15)], into=[out.data])
+        assert peak[0] < MAX_SCRATCH + MIB, (block_size, peak[0])
+    assert store.ranges == [(0, MIB)]  # 1 MiB blocks: in place; 4 MiB: the plain GET

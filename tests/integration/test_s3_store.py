@@ -54,11 +54,18 @@ def test_get_into_reads_a_range_straight_into_the_buffer(s3_uri: str) -> None:
     for start, end in [(0, len(body)), (1 << 20, 2 << 20), (5, 9)] * 10:
         into = bytearray(end - start)
         assert (
-            store.get_into("chunks/cd/y", memoryview(into), byte_range=(start, end)) == end - start
+            store.get_into("chunks/cd/y", [memoryview(into)], byte_range=(start, end))
+            == end - start
         )
         assert into == body[start:end]
     assert len(opened) == 30
     assert pool.num_connections - made <= 1  # each body read to its end: the connection kept
+    # one body scattered over several buffers, each filled before the next
+    parts = [bytearray(5), bytearray(0), bytearray(1 << 20), bytearray(3)]
+    n = store.get_into(
+        "chunks/cd/y", [memoryview(p) for p in parts], byte_range=(7, (1 << 20) + 15)
+    )
+    assert n == (1 << 20) + 8 and b"".join(parts) == body[7 : (1 << 20) + 15]
     # the pool still answers after 30 direct reads, interleaved with ordinary GETs
     assert store.get("chunks/cd/y", byte_range=(0, 10)) == body[:10]
 
@@ -69,12 +76,12 @@ def test_get_into_tells_a_larger_object_without_reading_it(s3_uri: str) -> None:
     store = S3Store(Location.parse(s3_uri), S3Settings.from_env())
     store.put("chunks/ef/z", b"x" * 101)
     into = bytearray(100)
-    assert store.get_into("chunks/ef/z", memoryview(into), byte_range=(0, 101)) == 101
+    assert store.get_into("chunks/ef/z", [memoryview(into)], byte_range=(0, 101)) == 101
     assert into == bytes(100)
-    assert store.get_into("chunks/ef/z", memoryview(into), byte_range=(0, 100)) == 100
+    assert store.get_into("chunks/ef/z", [memoryview(into)], byte_range=(0, 100)) == 100
     assert into == b"x" * 100
     short = bytearray(200)  # the object ends first: what it has
-    assert store.get_into("chunks/ef/z", memoryview(short), byte_range=(0, 200)) == 101
-    assert store.get_into("chunks/ef/z", memoryview(short), byte_range=(500, 600)) == 0
+    assert store.get_into("chunks/ef/z", [memoryview(short)], byte_range=(0, 200)) == 101
+    assert store.get_into("chunks/ef/z", [memoryview(short)], byte_range=(500, 600)) == 0
     with pytest.raises(ObjectNotFound):
-        store.get_into("chunks/ef/none", memoryview(short), byte_range=(0, 10))
+        store.get_into("chunks/ef/none", [memoryview(short)], byte_range=(0, 10))

@@ -158,13 +158,32 @@ def blocks_for_range(start: int, end: int, size: int, block_size: int) -> tuple[
 
 
 def blocks_match(
-    data: bytes | memoryview, digests: Sequence[str], first: int, block_size: int
+    data: bytes | memoryview | Sequence[memoryview],
+    digests: Sequence[str],
+    first: int,
+    block_size: int,
 ) -> bool:
     """Whether ``data``, the bytes of a chunk from block ``first`` on (block-aligned), match
-    the chunk's hex block digests, every block of it."""
-    view = memoryview(data)
-    return all(
-        first + k // block_size < len(digests)
-        and blake3.blake3(view[k : k + block_size]).hexdigest() == digests[first + k // block_size]
-        for k in range(0, max(len(view), 1), block_size)
-    )
+    the chunk's hex block digests, every block of it. ``data`` may be several buffers laid
+    end to end (a read scattered into its targets): a block that straddles two is hashed
+    across them, copying nothing."""
+    parts = [data] if isinstance(data, bytes | memoryview) else data
+    k, hasher, filled = first, blake3.blake3(), 0
+
+    def block_ends() -> bool:
+        nonlocal k, hasher, filled
+        ok = k < len(digests) and hasher.hexdigest() == digests[k]
+        k, hasher, filled = k + 1, blake3.blake3(), 0
+        return ok
+
+    for part in parts:
+        view = memoryview(part).cast("B")
+        pos = 0
+        while pos < len(view):
+            take = min(block_size - filled, len(view) - pos)
+            hasher.update(view[pos : pos + take])
+            filled, pos = filled + take, pos + take
+            if filled == block_size and not block_ends():
+                return False
+    # the last, short block; or the one (empty) block of an empty chunk
+    return not (filled or k == first) or block_ends()

@@ -25,6 +25,11 @@ from ..format.manifest import ChunkRef, FileEntry, Manifest
 from ..store.base import ObjectStore, read_bounded, read_into
 from .tiers import ChunkTiers, Tier
 
+MAX_SCRATCH = 2 << 20
+"""The most bytes a read into place may set aside for the bytes between and around the
+ranges it serves (a range's first and last blocks, read whole to be hashed: two 1 MiB
+blocks for a range that starts and ends mid-block)."""
+
 
 @dataclasses.dataclass
 class ReadStats:
@@ -90,35 +95,60 @@ class ChunkReader:
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
 
-    def fetch_verified(
-        self, chunk: ChunkRef, start: int, end: int, into: memoryview | None = None
-    ) -> memoryview:
+    def fetch_verified(self, chunk: ChunkRef, start: int, end: int) -> memoryview:
         """Bytes [start, end) of one chunk, verified: from the nearest tier that holds
         them (node cache, peers), else by block-aligned ranged GET from the store. A
-        read-only view of what was fetched (slicing copies nothing); or, given ``into``
-        (a writable view of ``end - start`` bytes), the bytes are written there and that
-        is the result. A store GET of a block-aligned range goes straight into ``into``
-        and is verified there: a read that fails its check raises, having written
-        unverified bytes only into the buffer of a load that fails."""
+        read-only view of what was fetched (slicing copies nothing)."""
         bs = self.manifest.block_size
         a, b = blocks_for_range(start, end, chunk.size, bs) if chunk.size else (0, 0)
-        if self.tiers is not None:
-            for tier, data in self.tiers.candidates(chunk, a, b):
-                if self._verified(chunk, data, a):
-                    self._count(len(data), tier)
-                    return _placed(memoryview(data)[start - a : end - a], into)
-                self.tiers.reject(tier, chunk)
-        if into is not None and (a, b) == (start, end) and codecs.is_ranged(chunk.codec):
+        data = self._from_tiers(chunk, a, b)
+        if data is None:
+            data, a = self._from_store(chunk, start, end)
+            self._keep(chunk, a, data)
+        return memoryview(data)[start - a : end - a]
+
+    def fetch_into(self, chunk: ChunkRef, a: int, b: int, into: Sequence[memoryview]) -> None:
+        """``fetch_verified`` of block-aligned bytes [a, b), written into the buffers
+        ``into`` (of ``b - a`` bytes in all) one after the other. From the store, an
+        uncompressed chunk's GET goes straight into them and is verified there, a block
+        that straddles two buffers hashed across both: no buffer of the reader's own, no
+        copy. A read that fails its check raises, having written unverified bytes only
+        into the buffers of a load that fails."""
+        data = self._from_tiers(chunk, a, b)
+        if data is None and codecs.is_ranged(chunk.codec):
             self._into_from_store(chunk, a, b, into)
             if self.tiers is not None and a == 0 and b == chunk.size:
-                self.tiers.keep(chunk, into)
-            return into
-        data, a = self._from_store(chunk, start, end)
+                self._keep(chunk, 0, into[0] if len(into) == 1 else b"".join(into))
+            return
+        src: bytes | memoryview
+        if data is None:
+            whole, first = self._from_store(chunk, a, b)
+            self._keep(chunk, first, whole)
+            src = memoryview(whole)[a - first : b - first]
+        else:
+            src = data
+        pos = 0
+        for view in into:
+            np.frombuffer(view, np.uint8)[:] = np.frombuffer(src, np.uint8, view.nbytes, pos)
+            pos += view.nbytes
+
+    def _from_tiers(self, chunk: ChunkRef, a: int, b: int) -> bytes | None:
+        """Verified bytes [a, b) (block-aligned) from the nearest tier that has them."""
+        if self.tiers is None:
+            return None
+        for tier, data in self.tiers.candidates(chunk, a, b):
+            if self._verified(chunk, data, a):
+                self._count(len(data), tier)
+                return data
+            self.tiers.reject(tier, chunk)
+        return None
+
+    def _keep(self, chunk: ChunkRef, a: int, data: bytes | memoryview) -> None:
+        """A whole chunk read from the store: the node's tier holds it from now on."""
         if self.tiers is not None and a == 0 and len(data) == chunk.size:
             self.tiers.keep(chunk, data)
-        return _placed(memoryview(data)[start - a : end - a], into)
 
-    def _into_from_store(self, chunk: ChunkRef, a: int, b: int, into: memoryview) -> None:
+    def _into_from_store(self, chunk: ChunkRef, a: int, b: int, into: Sequence[memoryview]) -> None:
         """Block-aligned bytes [a, b) of an uncompressed chunk, GET from the store into
         ``into`` and verified there; the same bounds and checks as ``_from_store``."""
         step = self.manifest.step
@@ -127,7 +157,7 @@ class ChunkReader:
             n = read_into(self.store, chunk.key, into, byte_range=(a, b + 1 if whole else b))
         except ObjectNotFound:
             raise CorruptCheckpointError(step, chunk.id, "is missing") from None
-        self._count(min(n, into.nbytes), Tier.STORE)  # a larger object is not read
+        self._count(min(n, b - a), Tier.STORE)  # a larger object is not read
         if n > b - a:
             raise CorruptCheckpointError(step, chunk.id, f"is larger than its {chunk.size} bytes")
         if n < b - a:
@@ -176,7 +206,9 @@ class ChunkReader:
             raise CorruptCheckpointError(self.manifest.step, chunk.id, "fails its hash check")
         return data, a
 
-    def _verified(self, chunk: ChunkRef, data: bytes | memoryview, a: int) -> bool:
+    def _verified(
+        self, chunk: ChunkRef, data: bytes | memoryview | Sequence[memoryview], a: int
+    ) -> bool:
         """Every block of ``data`` (chunk bytes from offset ``a``, block-aligned) matches."""
         bs = self.manifest.block_size
         return blocks_match(data, chunk.blocks, a // bs, bs)
@@ -246,9 +278,10 @@ class ChunkReader:
 
         def fetch(k: int) -> memoryview | None:
             cid, a, b = fetches[k]
-            if k not in needed and len(placed[k]) == 1 and placed[k][0][1:] == (0, b - a):
-                # the whole fetch is one range's bytes: read it into their place
-                self.fetch_verified(chunks[cid], a, b, into=placed[k][0][0].data)
+            direct = k not in needed and codecs.is_ranged(chunks[cid].codec)
+            into = _laid_out(placed[k], b - a) if direct else None
+            if into is not None:  # every byte to its place, scratch for the bytes between
+                self.fetch_into(chunks[cid], a, b, into)
                 return None
             data = self.fetch_verified(chunks[cid], a, b)
             if placed[k]:
@@ -275,12 +308,34 @@ class ChunkReader:
         return bytes(self.read_ranges([(name, 0, self.manifest.files[name].size)])[0])
 
 
-def _placed(data: memoryview, into: memoryview | None) -> memoryview:
-    """``data``, copied into ``into`` when given (numpy's copy, without the GIL)."""
-    if into is None:
-        return data
-    np.frombuffer(into, np.uint8)[:] = np.frombuffer(data, np.uint8)
-    return into
+def _laid_out(
+    pieces: list[tuple[npt.NDArray[np.uint8], int, int]], size: int
+) -> list[memoryview] | None:
+    """Buffers covering a fetch's ``size`` bytes in order: each piece's place in its
+    range's buffer (``(dst, lo, hi)``: bytes [lo, hi) of the fetch go to ``dst``), and a
+    scratch buffer for each run of bytes no piece wants (the block hashes cover them). None
+    where two pieces overlap, or the scratch would be more than ``MAX_SCRATCH``: it is
+    allocated before the GET, and a record claiming bytes its object does not hold must
+    cost no more than the object (the GET into a plain buffer then stops at its end)."""
+    gaps: list[tuple[int, int]] = []  # (index in out, size)
+    out: list[memoryview | None] = []
+    pos = 0
+    for dst, lo, hi in sorted(pieces, key=lambda p: p[1]):
+        if lo < pos:
+            return None
+        if lo > pos:
+            gaps.append((len(out), lo - pos))
+            out.append(None)
+        out.append(dst.data)
+        pos = hi
+    if pos < size:
+        gaps.append((len(out), size - pos))
+        out.append(None)
+    if sum(n for _, n in gaps) > MAX_SCRATCH:
+        return None
+    for i, n in gaps:
+        out[i] = memoryview(bytearray(n))
+    return [v for v in out if v is not None]
 
 
 def _joined(parts: list[memoryview], size: int) -> memoryview:

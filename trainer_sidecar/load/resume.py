@@ -57,7 +57,7 @@ class ReadOnlyStore:
     def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
         return self.inner.get(key, byte_range=byte_range)
 
-    def get_into(self, key: str, into: memoryview, *, byte_range: tuple[int, int]) -> int:
+    def get_into(self, key: str, into: Sequence[memoryview], *, byte_range: tuple[int, int]) -> int:
         return read_into(self.inner, key, into, byte_range=byte_range)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
 
@@ -62,24 +62,31 @@ def read_bounded(store: ObjectStore, key: str, max_bytes: int) -> bytes:
 
 @runtime_checkable
 class ReadsInto(Protocol):
-    """A store that can write a GET's bytes straight into a caller's buffer (S3Store)."""
+    """A store that can write a GET's bytes straight into a caller's buffers (S3Store)."""
 
-    def get_into(self, key: str, into: memoryview, *, byte_range: tuple[int, int]) -> int: ...
+    def get_into(
+        self, key: str, into: Sequence[memoryview], *, byte_range: tuple[int, int]
+    ) -> int: ...
 
 
 def read_into(
-    store: ObjectStore, key: str, into: memoryview, *, byte_range: tuple[int, int]
+    store: ObjectStore, key: str, into: Sequence[memoryview], *, byte_range: tuple[int, int]
 ) -> int:
-    """The bytes of ``key`` in ``byte_range`` written into ``into``; how many the object has
-    there. When that is more than ``into`` holds, nothing is written (the caller refuses the
-    object). A store that ``ReadsInto`` puts the bytes in place as they arrive, without a
-    buffer of its own or a copy (a load's chunks go so into the tensors); any other store
-    is read with ``get`` and copied. ``ObjectNotFound`` as ``get``."""
+    """The bytes of ``key`` in ``byte_range`` written into the buffers ``into``, filling
+    each before the next; how many bytes the object has there. When that is more than the
+    buffers hold, nothing is written (the caller refuses the object). A store that
+    ``ReadsInto`` puts the bytes in place as they arrive, without a buffer of its own or a
+    copy (a load's chunks go so into the tensors); any other is read with ``get`` and
+    copied. ``ObjectNotFound`` as ``get``."""
     if isinstance(store, ReadsInto):
         return store.get_into(key, into, byte_range=byte_range)
-    data = store.get(key, byte_range=byte_range)
-    if len(data) <= into.nbytes:
-        into[: len(data)] = data
+    data = memoryview(store.get(key, byte_range=byte_range))
+    if len(data) <= sum(v.nbytes for v in into):
+        pos = 0
+        for view in into:
+            n = min(view.nbytes, len(data) - pos)
+            view[:n] = data[pos : pos + n]
+            pos += n
     return len(data)
 
 

@@ -279,21 +279,28 @@ def _socket_reader(body: Any) -> http.client.HTTPResponse | None:
     return fp
 
 
-def _read_body_into(body: Any, view: memoryview) -> int:
-    """Read a GET's body into ``view`` until it is full or the body ends; how many bytes.
-    The connection goes back to the pool once the body is read to its end."""
+def _read_body_into(body: Any, views: Sequence[memoryview], size: int) -> int:
+    """Read a GET's body of ``size`` bytes into ``views``, filling each before the next,
+    until ``size`` bytes or the body's end; how many bytes. The connection goes back to the
+    pool once the body is read to its end."""
     fp = _socket_reader(body)
-    pos, size = 0, view.nbytes
-    while pos < size:
-        if fp is not None:
-            n = fp.readinto(view[pos:])
-        else:
-            data = body.read(min(size - pos, 1 << 20))
-            n = len(data)
-            view[pos : pos + n] = data
-        if not n:
+    pos = 0
+    for view in views:
+        view = view[: max(0, min(view.nbytes, size - pos))]
+        filled = 0
+        while filled < view.nbytes:
+            if fp is not None:
+                n = fp.readinto(view[filled:])
+            else:
+                data = body.read(min(view.nbytes - filled, 1 << 20))
+                n = len(data)
+                view[filled : filled + n] = data
+            if not n:
+                break
+            filled += n
+        pos += filled
+        if filled < view.nbytes:
             break
-        pos += n
     if fp is not None and fp.isclosed():  # http.client closes itself at the body's end
         body._raw_stream.release_conn()
     return pos
@@ -574,9 +581,10 @@ class S3Store:
 
         return self._retrying("GET", key, once)
 
-    def get_into(self, key: str, into: memoryview, *, byte_range: tuple[int, int]) -> int:
-        """``get`` of ``byte_range`` written into ``into`` as the bytes arrive (base.read_into).
-        A response larger than ``into`` is not read: its length is returned."""
+    def get_into(self, key: str, into: Sequence[memoryview], *, byte_range: tuple[int, int]) -> int:
+        """``get`` of ``byte_range`` written into ``into`` as the bytes arrive
+        (base.read_into). A response larger than the buffers is not read: its length is
+        returned."""
         extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"}
 
         def once() -> int:
@@ -589,9 +597,9 @@ class S3Store:
             body = resp["Body"]
             try:
                 expected = int(resp["ContentLength"])
-                if expected > into.nbytes:
+                if expected > sum(v.nbytes for v in into):
                     return expected
-                got = _read_body_into(body, into[:expected])
+                got = _read_body_into(body, into, expected)
             finally:
                 body.close()
             if got != expected:
