@@ -6,7 +6,7 @@ refused as from any other store."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -32,7 +32,9 @@ class CountingS3(S3Store):
         super().__init__(Location.parse(uri), S3Settings.from_env())
         self.ranges: list[tuple[int, int]] = []
 
-    def get_into(self, key: str, into: memoryview, *, byte_range: tuple[int, int]) -> int:
+    def get_into(
+        self, key: str, into: Sequence[memoryview], *, byte_range: tuple[int, int]
+    ) -> int:
         self.ranges.append(byte_range)
         return super().get_into(key, into, byte_range=byte_range)
 
