@@ -10,10 +10,13 @@ each with a fresh S3 server of its own:
 * ``bench_restore_tier.py --via agent``: the restore after a node loss (3 -> 2) from the
   node tier with replication, beside the S3-only restore.
 
-It prints seconds per GiB for every phase at every size, for ours and for the anchor, and
-the ratio of the largest size's per-GiB cost to the smallest's (target <= 1.15 for ours;
-the anchor's is shown beside it: a server that slows down with size shows there too).
+It prints seconds per GiB for every phase at every size, for ours and for the anchor (and
+the ranks' CPU-seconds per GiB, where bench_checkpoint measures them), and the ratio of
+the largest size's per-GiB cost to the smallest's (target <= 1.15 for ours; the anchor's
+is shown beside it: a server that slows down with size shows there too).
 A size whose run fails (out of memory, say) is reported as failed; the others still run.
+Where only the node-tier restore fails (its three node caches and their snapshots need
+about 4x the state on disk), that size's other phases stand.
 
     python bench/bench_size_sweep.py --s3 seaweedfs --json /tmp/sweep.json   # 1-8 GiB
     python bench/bench_size_sweep.py --sizes 32,64 --json /tmp/sweep.json    # smoke run
@@ -68,43 +71,53 @@ def run_bench(script: str, args: list[str], log_path: Path) -> dict[str, Any]:
         os.unlink(path)
 
 
-def seconds_by_phase(ckpt: dict[str, Any], tier: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Every phase's seconds, ours and the anchor's, with the bytes they cover."""
+def seconds_by_phase(
+    ckpt: dict[str, Any], tier: dict[str, Any] | None
+) -> dict[str, dict[str, Any]]:
+    """Every phase's seconds, ours and the anchor's, with the bytes they cover, and the
+    ranks' CPU-seconds where the benchmark measured them. Without the tier's report (its
+    run failed) the node-tier phase is left out."""
     out: dict[str, dict[str, Any]] = {}
     total = ckpt["config"]["total_bytes"]
     for phase, ((ours, field), anchor) in CHECKPOINT_PHASES.items():
         row = {"bytes": total, "ours_seconds": ckpt["phases"][ours][field]}
+        if field == "seconds" and "cpu_seconds" in ckpt["phases"][ours]:
+            row["ours_cpu_seconds"] = ckpt["phases"][ours]["cpu_seconds"]
         if anchor is not None:
             row["anchor_seconds"] = ckpt["phases"][anchor[0]][anchor[1]]
+            if "cpu_seconds" in ckpt["phases"][anchor[0]]:
+                row["anchor_cpu_seconds"] = ckpt["phases"][anchor[0]]["cpu_seconds"]
         out[phase] = row
-    tier_phase, tiered, s3_only = TIER_PHASE
-    out[tier_phase] = {
-        "bytes": tier["config"]["total_bytes"],
-        "ours_seconds": tier["variants"][tiered]["seconds_median"],
-        "anchor_seconds": tier["variants"][s3_only]["seconds_median"],
-    }
+    if tier is not None:
+        tier_phase, tiered, s3_only = TIER_PHASE
+        out[tier_phase] = {
+            "bytes": tier["config"]["total_bytes"],
+            "ours_seconds": tier["variants"][tiered]["seconds_median"],
+            "anchor_seconds": tier["variants"][s3_only]["seconds_median"],
+        }
     for row in out.values():
         gib = row["bytes"] / GIB
-        row["ours_seconds_per_gib"] = row["ours_seconds"] / gib
-        if "anchor_seconds" in row:
-            row["anchor_seconds_per_gib"] = row["anchor_seconds"] / gib
+        for who in ("ours", "anchor"):
+            for what in ("seconds", "cpu_seconds"):
+                if f"{who}_{what}" in row:
+                    row[f"{who}_{what}_per_gib"] = row[f"{who}_{what}"] / gib
     return out
 
 
 def growth(sizes: dict[int, dict[str, Any]]) -> dict[str, float]:
-    """Per phase: per-GiB cost at the largest size that ran over the smallest's, ours
+    """Per phase: per-GiB cost at the largest size where it ran over the smallest's, ours
     (judged) and the anchor's (shown beside)."""
-    ran = sorted(mib for mib, r in sizes.items() if "phases" in r)
-    if len(ran) < 2:
-        return {}
-    small, large = sizes[ran[0]]["phases"], sizes[ran[-1]]["phases"]
     values: dict[str, float] = {}
     for phase in PHASES:
+        ran = sorted(mib for mib, r in sizes.items() if phase in r.get("phases", {}))
+        if len(ran) < 2:
+            continue
+        small, large = sizes[ran[0]]["phases"][phase], sizes[ran[-1]]["phases"][phase]
         key = f"{phase}_per_gib_ratio_{ran[-1]}mib_vs_{ran[0]}mib"
-        values[key] = large[phase]["ours_seconds_per_gib"] / small[phase]["ours_seconds_per_gib"]
-        if "anchor_seconds_per_gib" in small[phase]:
+        values[key] = large["ours_seconds_per_gib"] / small["ours_seconds_per_gib"]
+        if "anchor_seconds_per_gib" in small:
             values[f"anchor_{key}"] = (
-                large[phase]["anchor_seconds_per_gib"] / small[phase]["anchor_seconds_per_gib"]
+                large["anchor_seconds_per_gib"] / small["anchor_seconds_per_gib"]
             )
     return values
 
@@ -125,18 +138,24 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     sizes: dict[int, dict[str, Any]] = {}
     for mib in opts.sizes:
         bc.log(f"--- {mib} MiB")
+        size = ["--total-mib", str(mib)]
         try:
-            size = ["--total-mib", str(mib)]
             ckpt = run_bench("bench_checkpoint.py", [*s3, *size, "--no-s3torchconnector"], log_path)
-            tier = run_bench("bench_restore_tier.py",
-                             [*s3, *size, "--via", "agent", "--repeats", str(opts.repeats)],
-                             log_path)  # fmt: skip
         except RuntimeError as exc:
             bc.log(f"{mib} MiB failed: {str(exc).splitlines()[0]}")
             sizes[mib] = {"failed": str(exc)}
             continue
+        tier: dict[str, Any] | None = None
+        try:
+            tier = run_bench("bench_restore_tier.py",
+                             [*s3, *size, "--via", "agent", "--repeats", str(opts.repeats)],
+                             log_path)  # fmt: skip
+        except RuntimeError as exc:  # the other phases stand (a full disk, say)
+            bc.log(f"{mib} MiB: the node-tier restore failed: {str(exc).splitlines()[0]}")
         sizes[mib] = {"phases": seconds_by_phase(ckpt, tier), "engine": ckpt["engine"],
                       "server": ckpt["server"]}  # fmt: skip
+        if tier is None:
+            sizes[mib]["tier_failed"] = log_path.read_text()[-2000:]
     values = growth(sizes)
     return {
         "command": " ".join(["python", "bench/bench_size_sweep.py", *sys.argv[1:]]),
@@ -154,17 +173,22 @@ def table(report: dict[str, Any]) -> str:
     sizes = report["sizes"]
     head = f"{'seconds per GiB':<26}" + "".join(f"{mib + ' MiB':>20}" for mib in sizes)
     lines = [head, f"{'(ours / raw anchor)':<26}", "-" * len(head)]
-    for phase in PHASES:
-        cells = []
-        for r in sizes.values():
-            if "phases" not in r:
-                cells.append(f"{'failed':>20}")
-                continue
-            p = r["phases"][phase]
-            anchor = p.get("anchor_seconds_per_gib")
-            cell = f"{p['ours_seconds_per_gib']:.3f}" + (f" / {anchor:.3f}" if anchor else "")
-            cells.append(f"{cell:>20}")
-        lines.append(f"{phase:<26}" + "".join(cells))
+    for what, title in (("seconds", ""), ("cpu_seconds", "CPU-s per GiB")):
+        if title:
+            lines += ["", f"{title:<26}"]
+        for phase in PHASES:
+            cells = []
+            for r in sizes.values():
+                p = r.get("phases", {}).get(phase)
+                if p is None or f"ours_{what}_per_gib" not in p:
+                    failed = p is None and what == "seconds"
+                    cells.append(f"{'failed' if failed else '':>20}")
+                    continue
+                anchor = p.get(f"anchor_{what}_per_gib")
+                cell = f"{p[f'ours_{what}_per_gib']:.3f}" + (f" / {anchor:.3f}" if anchor else "")
+                cells.append(f"{cell:>20}")
+            if what == "seconds" or any(c.strip() for c in cells):
+                lines.append(f"{phase:<26}" + "".join(cells))
     lines += bc.ratio_lines(report, width=58)
     return "\n".join(lines)
 
