@@ -158,12 +158,7 @@ class ChunkReader:
         except ObjectNotFound:
             raise CorruptCheckpointError(step, chunk.id, "is missing") from None
         self._count(min(n, b - a), Tier.STORE)  # a larger object is not read
-        if n > b - a:
-            raise CorruptCheckpointError(step, chunk.id, f"is larger than its {chunk.size} bytes")
-        if n < b - a:
-            raise CorruptCheckpointError(step, chunk.id, "is truncated")
-        if not self._verified(chunk, into, a):
-            raise CorruptCheckpointError(step, chunk.id, "fails its hash check")
+        self._check(chunk, into, n, a, b)
 
     def _from_store(self, chunk: ChunkRef, start: int, end: int) -> tuple[bytes, int]:
         """(verified raw bytes [a, b) covering [start, end), a) read from the store. Never
@@ -198,13 +193,21 @@ class ChunkReader:
             raise CorruptCheckpointError(step, chunk.id, "is missing") from None
         except codecs.CodecError as exc:
             raise CorruptCheckpointError(step, chunk.id, str(exc)) from None
-        if len(data) > b - a:
+        self._check(chunk, data, len(data), a, b)
+        return data, a
+
+    def _check(
+        self, chunk: ChunkRef, data: bytes | Sequence[memoryview], got: int, a: int, b: int
+    ) -> None:
+        """Refuse the ``got`` bytes a store returned for chunk bytes [a, b) (block-aligned),
+        held in ``data``, unless they are exactly those bytes, every block matching."""
+        step = self.manifest.step
+        if got > b - a:
             raise CorruptCheckpointError(step, chunk.id, f"is larger than its {chunk.size} bytes")
-        if len(data) < b - a:
+        if got < b - a:
             raise CorruptCheckpointError(step, chunk.id, "is truncated")
         if not self._verified(chunk, data, a):
-            raise CorruptCheckpointError(self.manifest.step, chunk.id, "fails its hash check")
-        return data, a
+            raise CorruptCheckpointError(step, chunk.id, "fails its hash check")
 
     def _verified(
         self, chunk: ChunkRef, data: bytes | memoryview | Sequence[memoryview], a: int
