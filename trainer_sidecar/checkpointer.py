@@ -49,6 +49,7 @@ from . import __version__, collectives
 from .config import CheckpointConfig, job_staging_dir
 from .errors import CheckpointError, SaveFailed
 from .format.manifest import Manifest, SaveIdentity
+from .liveness import Pulse
 from .load import resume
 from .load.restore import LoadResult, RestoreSettings, restore
 from .metrics import CheckpointMetrics, serve
@@ -213,6 +214,11 @@ class Checkpointer:
         self._server = (
             serve(config.metrics_port, self.metrics) if config.metrics_port is not None else None
         )
+        self._pulse: Pulse | None = None
+        if config.sidecar:  # the sidecar tells the operator this trainer still runs
+            slots.prepare_root(self.root)
+            self._pulse = Pulse(self.root, self.rank)
+            atexit.register(self._stop_pulse)
 
     # -- save -------------------------------------------------------------------
 
@@ -339,6 +345,7 @@ class Checkpointer:
         the trainer does not wait out the grace for it. Nothing is dropped: a sidecar owns
         what is staged and settles it, and an in-process persister still gets the grace to
         store this rank's part."""
+        self._stop_pulse()
         if not self._opened:
             self._stop_server()
             return
@@ -364,6 +371,12 @@ class Checkpointer:
         self._lock.release()
         self._stop_server()
         atexit.unregister(self.close)
+
+    def _stop_pulse(self) -> None:
+        if self._pulse is not None:
+            self._pulse.stop()
+            self._pulse = None
+            atexit.unregister(self._stop_pulse)
 
     def _stop_server(self) -> None:
         if self._server is not None:

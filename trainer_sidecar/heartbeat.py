@@ -12,6 +12,9 @@ Why the operator asks rather than the pods writing Leases: pods need no Kubernet
 credentials and the operator creates no Role per job (docs/security.md), and liveness
 costs the API server nothing.
 
+The reply also says how long the pod's trainers have not run (``trainer_silent_s``, from
+their liveness pulses, liveness.py): a stopped trainer behind a live sidecar is a hung rank.
+
 What the ask carries:
 - a checkpoint request (an opaque id): a new one is written, atomically, to
   ``<staging root>/checkpoint-request``, where ``Checkpointer.preemption_requested()``
@@ -39,6 +42,7 @@ from ctj_contract import Env, HeartbeatAsk, HeartbeatReply, LastCheckpoint, rfc3
 from ctj_contract.tokens import tokens_match
 
 from .errors import CheckpointError
+from .liveness import PulseWatch
 from .metrics import HeartbeatMetrics
 from .save.slots import read_request, write_request
 
@@ -104,8 +108,9 @@ class HeartbeatEndpoint:
     """``/v1/heartbeat``'s handler (``handle`` is called on the metrics server's threads).
 
     ``latest`` gives the last committed manifest (``Persister.latest_committed``), ``root``
-    is the job's staging root, ``on_ended`` runs once when the operator says the attempt
-    is over (``Persister.attempt_ended``).
+    is the job's staging root (where the trainers' liveness pulses are read, liveness.py),
+    ``on_ended`` runs once when the operator says the attempt is over
+    (``Persister.attempt_ended``).
     """
 
     def __init__(
@@ -122,6 +127,7 @@ class HeartbeatEndpoint:
         self.root = Path(root)
         self._on_ended = on_ended
         self.metrics = metrics
+        self.trainers = PulseWatch(self.root)
         self.request_seen: str | None = read_request(self.root)
         self.ended = False
         self.reported: str | None = None
@@ -147,6 +153,7 @@ class HeartbeatEndpoint:
                 node_rank=self.settings.node_rank,
                 request_seen=self.request_seen,
                 last_checkpoint=self._report(),
+                trainer_silent_s=self.trainers.silent_s(),
             )
         self._count(refused=False)
         return 200, "application/json", reply.encode()

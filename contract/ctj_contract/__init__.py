@@ -15,6 +15,7 @@ import calendar
 import dataclasses
 import enum
 import json
+import math
 import time
 from collections.abc import Mapping
 from typing import Any, TypeGuard
@@ -172,6 +173,16 @@ def _count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _seconds(value: Any) -> bool:
+    """A finite, non-negative number of seconds (JSON's true is not one)."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
 def _optional_str(found: Mapping[str, Any], key: str, what: str) -> str | None:
     value = found.get(key)
     if value is not None and not isinstance(value, str):
@@ -214,12 +225,15 @@ class HeartbeatReply:
     another attempt, e.g. an IP reused, is not a beat), the checkpoint request it has
     taken, and, from node rank 0, the last committed checkpoint (``LastCheckpoint``).
     ``node_rank`` None: the sidecar is not told its rank (a PyTorchJob's Worker template,
-    stamped out by the Kubeflow controller)."""
+    stamped out by the Kubeflow controller). ``trainer_silent_s``: seconds since the
+    pod's longest-silent trainer last ran (its liveness pulse, trainer_sidecar/liveness.py);
+    None where no trainer of the pod has a pulse (starting, finished, not using ctj)."""
 
     attempt: int
     node_rank: int | None
     request_seen: str | None = None
     last_checkpoint: str | None = None
+    trainer_silent_s: float | None = None
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -228,6 +242,9 @@ class HeartbeatReply:
                 "nodeRank": self.node_rank,
                 "requestSeen": self.request_seen,
                 "lastCheckpoint": self.last_checkpoint,
+                "trainerSilentSeconds": (
+                    None if self.trainer_silent_s is None else round(self.trainer_silent_s, 3)
+                ),
             },
             separators=(",", ":"),
         ).encode()
@@ -238,11 +255,15 @@ class HeartbeatReply:
         attempt, rank = found.get("attempt"), found.get("nodeRank")
         if not (_count(attempt) and (rank is None or _count(rank))):
             raise ValueError("heartbeat reply: attempt or nodeRank is not a non-negative integer")
+        silent = found.get("trainerSilentSeconds")
+        if silent is not None and not _seconds(silent):
+            raise ValueError("heartbeat reply: trainerSilentSeconds is not a finite number >= 0")
         return cls(
             attempt,
             rank,
             _optional_str(found, "requestSeen", "heartbeat reply"),
             _optional_str(found, "lastCheckpoint", "heartbeat reply"),
+            None if silent is None else float(silent),
         )
 
 

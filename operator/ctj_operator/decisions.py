@@ -125,6 +125,9 @@ class Observation:
     beats: Mapping[int, float | None] = dataclasses.field(default_factory=dict)
     """Node rank of the current attempt -> seconds since its heartbeat last changed
     (None: it has not beaten yet)."""
+    trainers: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    """Node rank of the current attempt -> seconds its longest-silent trainer had not run,
+    as its sidecar last answered (absent: no liveness pulse, e.g. still importing)."""
     last_checkpoint: Mapping[str, Any] | None = None  # what rank 0's sidecar reports
     uri: str = ""  # the checkpoint location a first start pins
     now: float = 0.0
@@ -347,6 +350,15 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
                 f"{silent:.0f}s (failureDetection.heartbeatTimeoutSeconds={timeout:g})"
             )
             return Ending("HeartbeatLost", msg, Cause.NODE, (p.node_name,))
+    for p in ranked:
+        hung = obs.trainers.get(p.node_rank)
+        if p.phase == "Running" and hung is not None and hung > timeout:
+            msg = (
+                f"the trainer of rank {p.node_rank} (pod {p.name}) has not run for {hung:.0f}s "
+                f"while its sidecar answers (failureDetection.heartbeatTimeoutSeconds="
+                f"{timeout:g}): stopped, or frozen holding the GIL"
+            )
+            return Ending("RankHung", msg, Cause.CRASH)
     waiting = [p for p in current if p.phase not in ("Running", "Succeeded")]
     started = state.attempt_started
     limit = spec.detection.scheduling_timeout_seconds

@@ -9,7 +9,8 @@ POSTs a ``HeartbeatAsk`` to each rank's ``/v1/heartbeat`` every job's
 ``failureDetection.heartbeatPeriodSeconds``, with the job's token; each valid reply is
 marked in ``Marks.beats`` by when this process received it, which the decisions judge
 against the job's heartbeat timeout (``HeartbeatLost``). Rank 0's reply carries the last
-committed checkpoint.
+committed checkpoint; every reply says how long the pod's trainers have not run
+(``Marks.trainers``, judged as ``RankHung``: a stopped trainer behind a live sidecar).
 
 No API request per beat, and pods need no Kubernetes credentials: the trainer_sidecar
 heartbeat module's docstring says why. A rank first seen Running counts as just
@@ -86,15 +87,56 @@ class JobAsk:
         )
 
 
+STALL_SLACK_S = 0.5
+"""A tick later than this past its time means this process was not running its asks."""
+
+
+class LoopClock:
+    """Monotonic seconds, less the time the channel's loop was stalled.
+
+    A rank's silence is measured by this clock, so time this process itself did not run
+    (its event loop blocked, the process starved of CPU or paused) is never held against
+    the ranks: it could not ask them. The stall in progress is left out as well, so a
+    reconcile that runs before the channel's next tick does not judge by it either."""
+
+    def __init__(self, tick_s: float = TICK_S, slack_s: float = STALL_SLACK_S) -> None:
+        self._expected = tick_s + slack_s
+        self._last = time.monotonic()
+        self._lost = 0.0
+
+    def _late(self, now: float) -> float:
+        late = now - self._last - self._expected
+        return late if late > 0 else 0.0
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        self._lost += self._late(now)
+        self._last = now
+
+    def __call__(self) -> float:
+        now = time.monotonic()
+        return now - self._lost - self._late(now)
+
+
 def timeout_for(period_s: float) -> float:
     """One ask's limit: a slow sidecar delays its next ask by no more."""
     return max(1.0, min(5.0, 2 * period_s))
 
 
 class HeartbeatChannel:
-    def __init__(self, key: bytes, beats: Freshness, *, port: int = METRICS_PORT) -> None:
+    def __init__(
+        self,
+        key: bytes,
+        beats: Freshness,
+        *,
+        trainers: dict[tuple[str, str], float] | None = None,
+        port: int = METRICS_PORT,
+    ) -> None:
         self._key = key
+        self.clock = LoopClock()
         self.beats = beats
+        beats.clock = self.clock  # the ranks' silence excludes this process's own stalls
+        self.trainers: dict[tuple[str, str], float] = {} if trainers is None else trainers
         self.port = port
         self.ranks: dict[tuple[str, str], Rank] = {}
         self.jobs: dict[JobKey, JobAsk] = {}
@@ -125,6 +167,7 @@ class HeartbeatChannel:
         key = (namespace, pod)
         self.ranks.pop(key, None)
         self._due.pop(key, None)
+        self.trainers.pop(key, None)
 
     def want(self, job: JobKey, ask: JobAsk) -> None:
         self.jobs[job] = ask
@@ -148,6 +191,7 @@ class HeartbeatChannel:
     async def run(self, leads: Callable[[], bool]) -> None:
         """Ask every tracked rank of a known job when due, while this process leads."""
         while True:
+            self.clock.tick()
             if leads():
                 self._ask_due()
             await asyncio.sleep(TICK_S)
@@ -192,6 +236,10 @@ class HeartbeatChannel:
         if self.ranks.get(key) == rank:  # not untracked meanwhile
             self._answers += 1
             self.beats.see(key, self._answers)
+            if reply.trainer_silent_s is None:
+                self.trainers.pop(key, None)
+            else:
+                self.trainers[key] = reply.trainer_silent_s
         found = LastCheckpoint.decode(reply.last_checkpoint) if rank.node_rank == 0 else None
         best = self._reports.get(rank.job)
         if found is not None and (best is None or found.step > best.step):

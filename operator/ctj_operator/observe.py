@@ -145,19 +145,21 @@ class Freshness:
     a restart gives every heartbeat a whole timeout before it is judged.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._seen: dict[Any, tuple[Any, float, float]] = {}
+        self.clock = clock
+        """What silences are measured by (heartbeats.py's ``LoopClock`` for the beats)."""
 
     def see(self, key: Any, value: Any) -> None:
         if value is None:
             return
         old = self._seen.get(key)
         if old is None or old[0] != value:
-            self._seen[key] = (value, time.monotonic(), time.time())
+            self._seen[key] = (value, self.clock(), time.time())
 
     def silent_for(self, key: Any) -> float | None:
         seen = self._seen.get(key)
-        return None if seen is None else time.monotonic() - seen[1]
+        return None if seen is None else self.clock() - seen[1]
 
     def changed_at(self, key: Any) -> float | None:
         """Wall-clock time of the last change seen (for marks kept in .status)."""
@@ -182,6 +184,9 @@ class Marks:
     """node -> its kubelet's Lease renewTime (kube-node-lease)."""
     phases: Freshness = dataclasses.field(default_factory=Freshness)
     """(namespace, pod) -> its phase."""
+    trainers: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    """(namespace, pod) -> how long its trainers had not run, as its sidecar's last answer
+    said (heartbeats.py; absent: no trainer of the pod has a liveness pulse)."""
 
 
 JobKey: TypeAlias = tuple[str, str]
@@ -243,6 +248,12 @@ def observe(
             p.node_rank: marks.beats.silent_for((namespace, p.name))
             for p in pods
             if p.attempt == state.attempt
+        },
+        trainers={
+            p.node_rank: silent
+            for p in pods
+            if p.attempt == state.attempt
+            and (silent := marks.trainers.get((namespace, p.name))) is not None
         },
         last_checkpoint=last_checkpoint,
         uri=uri,

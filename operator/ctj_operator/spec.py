@@ -94,8 +94,8 @@ class CheckpointSpec:
 class DetectionSpec:
     """How fast an attempt is declared over (docs/operator.md, "Failure detection")."""
 
-    heartbeat_period_seconds: float = 2.0  # each rank's sidecar renews its Lease this often
-    heartbeat_timeout_seconds: float = 10.0  # a rank silent this long has failed
+    heartbeat_period_seconds: float = 1.0  # the operator asks each rank's sidecar this often
+    heartbeat_timeout_seconds: float = 3.0  # a rank (or its trainer) silent this long failed
     scheduling_timeout_seconds: float = 300.0  # ranks Pending this long end the attempt
     teardown_deadline_seconds: float = 45.0  # then an ended attempt's pods are force-deleted
 
@@ -193,8 +193,8 @@ class JobSpec:
             scale_up=bool(scale.get("enabled", True)),
             stabilization_seconds=float(scale.get("stabilizationSeconds", 60.0)),
             detection=DetectionSpec(
-                heartbeat_period_seconds=float(detect.get("heartbeatPeriodSeconds", 2.0)),
-                heartbeat_timeout_seconds=float(detect.get("heartbeatTimeoutSeconds", 10.0)),
+                heartbeat_period_seconds=float(detect.get("heartbeatPeriodSeconds", 1.0)),
+                heartbeat_timeout_seconds=float(detect.get("heartbeatTimeoutSeconds", 3.0)),
                 scheduling_timeout_seconds=float(detect.get("schedulingTimeoutSeconds", 300.0)),
                 teardown_deadline_seconds=float(detect.get("teardownDeadlineSeconds", 45.0)),
             ),

@@ -176,6 +176,17 @@ def test_the_ask_round_trips() -> None:
     assert HeartbeatAsk.decode(ask.encode()) == ask
     reply = HeartbeatReply(attempt=4, node_rank=None, request_seen=None, last_checkpoint=None)
     assert HeartbeatReply.decode(reply.encode()) == reply
+    silent = HeartbeatReply(attempt=4, node_rank=1, trainer_silent_s=2.5)
+    assert HeartbeatReply.decode(silent.encode()) == silent
+
+
+@pytest.mark.parametrize("value", ['"3"', "-1", "true", "NaN", "Infinity", "[1]"])
+def test_a_reply_with_a_bad_trainer_silence_is_refused(value: str) -> None:
+    """The reply comes off the network: a silence that is not a finite count of seconds is
+    not a beat (it would otherwise decide, or forbid, a RankHung)."""
+    raw = f'{{"attempt": 1, "nodeRank": 0, "trainerSilentSeconds": {value}}}'.encode()
+    with pytest.raises(ValueError, match="trainerSilentSeconds"):
+        HeartbeatReply.decode(raw)
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,7 @@ def observe(
     job: JobSpec | None = None,
     fits: list[str] | None = None,
     beats: dict[int, float | None] | None = None,
+    trainers: dict[int, float] | None = None,
     last_checkpoint: dict[str, Any] | None = None,
     controller_failure: str = "",
     refused: str = "",
@@ -89,6 +90,7 @@ def observe(
         nodes=the_nodes,
         fits=usable if fits is None else fits,
         beats=beats or {},
+        trainers=trainers or {},
         last_checkpoint=last_checkpoint,
         uri="s3://b/p/ns/job-uid",
         now=now,
@@ -307,10 +309,49 @@ def test_heartbeat_lost_ends_the_attempt_in_seconds_and_the_node_is_suspect() ->
     assert any(isinstance(a, DeleteAttempt) for a in plan.actions)
 
 
+def test_a_trainer_silent_past_the_timeout_behind_a_live_sidecar_is_a_hung_rank() -> None:
+    """Its sidecar answers (so no HeartbeatLost), its trainer has not run for longer than
+    the timeout: the attempt ends, as the job's own failure (a hang that recurs must stop at
+    maxRestarts); its node is not suspect."""
+    beats: dict[int, float | None] = {0: 0.5, 1: 0.5, 2: 0.5}
+    plan = decide(observe(RUNNING3, pods(3), nodes(3), 100.0, beats=beats, trainers={1: 3.4}))
+    assert what(plan) == "restart RankHung crash"
+    message = condition(plan.status(), "Restarted")["message"]
+    assert "trainer of rank 1 (pod a1-1) has not run for 3s" in message
+    assert "heartbeatTimeoutSeconds=3" in message
+    assert not plan.status().get("suspectNodes")
+
+
+@pytest.mark.parametrize(
+    ("trainers", "phase"),
+    [
+        pytest.param({1: 2.9}, "Running", id="stopped-shorter-than-the-timeout"),
+        pytest.param({}, "Running", id="no-pulse-yet"),
+        pytest.param({1: 60.0}, "Pending", id="not-running"),
+    ],
+)
+def test_trainer_silences_that_do_not_end_an_attempt(
+    trainers: dict[int, float], phase: str
+) -> None:
+    the_pods = [pod(0), pod(1, phase), pod(2)]
+    beats: dict[int, float | None] = {0: 0.5, 1: 0.5, 2: 0.5}
+    assert (
+        what(decide(observe(RUNNING3, the_pods, nodes(3), 1.0, beats=beats, trainers=trainers)))
+        == "wait"
+    )
+
+
+def test_a_lost_node_is_judged_before_a_hung_trainer() -> None:
+    """A node gone silent whose last answer said its trainer was stalled: the node's."""
+    beats: dict[int, float | None] = {0: 0.5, 1: 3.5, 2: 0.5}
+    plan = decide(observe(RUNNING3, pods(3), nodes(3), 10.0, beats=beats, trainers={1: 3.5}))
+    assert what(plan) == "restart HeartbeatLost node"
+
+
 @pytest.mark.parametrize(
     ("beats", "phase"),
     [
-        pytest.param({2: 9.9}, "Running", id="within-timeout"),
+        pytest.param({2: 2.9}, "Running", id="within-timeout"),
         pytest.param({2: None}, "Running", id="never-beat-yet"),
         pytest.param({2: 60.0}, "Pending", id="not-running"),
     ],
@@ -479,11 +520,11 @@ def test_spec_errors_name_the_field(raw: dict[str, Any], message: str) -> None:
 
 def test_survivors_crashing_because_a_node_died_is_the_nodes_fault() -> None:
     """Kill a node: its rank still reads Running (silent), the others fail at once."""
-    the_pods = [pod(0, "Failed", phase_age=3.0), pod(1, "Failed", phase_age=3.0), pod(2)]
-    beats: dict[int, float | None] = {0: 3.5, 1: 3.5, 2: 4.0}
+    the_pods = [pod(0, "Failed", phase_age=1.0), pod(1, "Failed", phase_age=1.0), pod(2)]
+    beats: dict[int, float | None] = {0: 1.5, 1: 1.5, 2: 2.0}
     assert what(decide(observe(RUNNING3, the_pods, nodes(3), 3.0, beats=beats))) == "wait"
-    late = [pod(0, "Failed", phase_age=10.5), pod(1, "Failed", phase_age=10.5), pod(2)]
-    beats = {0: 11.0, 1: 11.0, 2: 11.5}
+    late = [pod(0, "Failed", phase_age=3.5), pod(1, "Failed", phase_age=3.5), pod(2)]
+    beats = {0: 4.0, 1: 4.0, 2: 4.5}
     plan = decide(observe(RUNNING3, late, nodes(3), 10.5, beats=beats))
     assert what(plan) == "restart HeartbeatLost node"
     assert plan.status()["suspectNodes"] == {"n2": 10.5}
@@ -541,8 +582,8 @@ def test_the_kubeflow_controllers_failure_is_read_after_the_pods() -> None:
     plan = decide(observe(RUNNING3, pods(3), nodes(3), controller_failure=failed))
     assert what(plan) == "restart PyTorchJobFailed crash"
     assert condition(plan.status(), "Restarted")["message"].startswith(failed)
-    survivors = [pod(0, "Failed", phase_age=3.0), pod(1, "Failed", phase_age=3.0), pod(2)]
-    beats: dict[int, float | None] = {0: 3.5, 1: 3.5, 2: 4.0}
+    survivors = [pod(0, "Failed", phase_age=1.0), pod(1, "Failed", phase_age=1.0), pod(2)]
+    beats: dict[int, float | None] = {0: 1.5, 1: 1.5, 2: 2.0}
     waiting = observe(RUNNING3, survivors, nodes(3), 3.0, beats=beats, controller_failure=failed)
     assert what(decide(waiting)) == "wait"
     on_lost_node = [pod(0), pod(1, node="bad0"), pod(2)]

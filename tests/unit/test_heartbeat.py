@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 from ctj_contract import HEARTBEAT_PATH, HeartbeatAsk, HeartbeatReply, LastCheckpoint
-from ctj_operator.heartbeats import HeartbeatChannel, JobAsk, Rank
+from ctj_operator.heartbeats import HeartbeatChannel, JobAsk, LoopClock, Rank
 from ctj_operator.observe import Freshness
 
 from tests.conftest import ROOT
 from trainer_sidecar import heartbeat as hb
 from trainer_sidecar.errors import CheckpointError
+from trainer_sidecar.liveness import pulse_path
 from trainer_sidecar.metrics import CheckpointMetrics, HeartbeatMetrics, serve
 from trainer_sidecar.save import slots
 
@@ -102,6 +103,19 @@ def test_the_attempt_ends_once_when_told_or_when_a_newer_one_asks(tmp_path: Path
     assert ended == [True] and ep.ended
 
 
+def test_the_reply_says_how_long_the_pods_trainers_have_not_run(tmp_path: Path) -> None:
+    """No pulse yet: None (a trainer still importing is not judged); a pulse: its silence,
+    which grows while the pulse does not change."""
+    ep, _ = endpoint(tmp_path)
+    assert ask(ep, HeartbeatAsk(attempt=2)).trainer_silent_s is None
+    pulse_path(tmp_path, 0).write_bytes(b"1\n")
+    first = ask(ep, HeartbeatAsk(attempt=2)).trainer_silent_s
+    assert first is not None and first < 0.5
+    time.sleep(0.05)
+    later = ask(ep, HeartbeatAsk(attempt=2)).trainer_silent_s
+    assert later is not None and later >= first + 0.04
+
+
 def test_only_rank_0_reports_the_last_checkpoint(tmp_path: Path) -> None:
     ep0, _ = endpoint(tmp_path, node_rank=0, latest=Commit(step=40))
     reply = ask(ep0, HeartbeatAsk(attempt=2))
@@ -170,6 +184,62 @@ def test_the_channel_asks_a_sidecar_and_marks_its_beat(tmp_path: Path) -> None:
     assert channel.last_checkpoint(("ml", "demo")) == {
         "step": 60, "time": "2026-12-01T12:00:00Z", "bytes": 4096
     }  # fmt: skip
+
+
+def test_the_channel_keeps_what_the_sidecar_says_of_its_trainers(tmp_path: Path) -> None:
+    """A pulse in the pod's staging root: the channel keeps its silence for the decisions;
+    the pulse gone (the trainer finished), nothing is kept; untracked, nothing either."""
+    trainers: dict[tuple[str, str], float] = {}
+    channel = HeartbeatChannel(b"k" * 32, Freshness(), trainers=trainers)
+    token = channel.token(("ml", "demo"), "u-1")
+    settings = hb.HeartbeatSettings(token=token, attempt=1, node_rank=0)
+    host, port, server = _serve(hb.HeartbeatEndpoint(settings, latest=lambda: None, root=tmp_path))
+    channel.port = port
+    channel.track("ml", "demo", {"name": "p", "phase": "Running", "ip": host,
+                                 "attempt": 1, "rank": 0})  # fmt: skip
+    key = ("ml", "p")
+    job = JobAsk(uid="u-1", attempt=1, ended=False, request=None, period_s=1.0)
+
+    def ask() -> None:
+        assert asyncio.run(channel.ask(key, channel.ranks[key], job))
+
+    try:
+        ask()
+        assert key not in trainers, "no pulse: nothing to judge"
+        pulse_path(tmp_path, 0).write_bytes(b"1\n")
+        ask()
+        time.sleep(0.05)
+        ask()
+        assert 0.04 <= trainers[key] < 5
+        pulse_path(tmp_path, 0).unlink()
+        ask()
+        assert key not in trainers
+        pulse_path(tmp_path, 0).write_bytes(b"2\n")
+        ask()
+        channel.untrack("ml", "p")
+        assert key not in trainers
+    finally:
+        server.shutdown()  # type: ignore[attr-defined]
+
+
+def test_the_operators_own_stall_is_not_held_against_the_ranks() -> None:
+    """The loop that asks was blocked for 0.4 s: a rank's silence grows by the tick's time
+    at most, during the stall and after it; then it grows with the clock again."""
+    clock = LoopClock(tick_s=0.01, slack_s=0.05)
+    beats = Freshness(clock)
+    clock.tick()
+    beats.see("rank", 1)
+    time.sleep(0.4)  # nothing ticks: this process did not run its asks
+    during = beats.silent_for("rank")
+    assert during is not None and during < 0.1, during
+    clock.tick()
+    after = beats.silent_for("rank")
+    assert after is not None and after < 0.1, after
+    for _ in range(10):
+        time.sleep(0.02)
+        clock.tick()
+    later = beats.silent_for("rank")
+    assert later is not None and later >= after + 0.15, (after, later)
 
 
 def test_an_unanswered_rank_goes_silent_from_when_it_was_first_seen() -> None:
