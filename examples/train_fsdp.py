@@ -26,13 +26,15 @@ import sys
 import time
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+STARTED = time.time()  # before torch's import: the recovery budget's "worker start"
 
-from trainer_sidecar import CheckpointConfig, Checkpointer, GlobalSampler
-from trainer_sidecar.rank_exit import exit_rank
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+from trainer_sidecar import CheckpointConfig, Checkpointer, GlobalSampler  # noqa: E402
+from trainer_sidecar.rank_exit import exit_rank  # noqa: E402
 
 DIM = 64
 DATASET_LEN = 4096  # 21 global batches of 192 an epoch: a 60-step run spans 3 epochs
@@ -75,7 +77,9 @@ def eval_loss(model: torch.nn.Module) -> float:
 
 
 def main() -> None:
+    imported = time.time()
     dist.init_process_group("gloo")
+    met = time.time()  # the rendezvous done: every rank of the attempt is up
     world = dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks in this pod (torchrun)
     total_steps = int(os.environ.get("CTJ_TOTAL_STEPS", "60"))
@@ -99,7 +103,8 @@ def main() -> None:
                 saved_world_size=restored.saved_world_size, local_world_size=local_world,
                 seconds=round(restored.seconds, 3), bytes_fetched=restored.bytes_fetched,
                 bytes_by_tier=restored.bytes_by_tier,
-                eval_loss=eval_loss(model))
+                eval_loss=eval_loss(model), started=round(STARTED, 3),
+                imported=round(imported, 3), rendezvous=round(met, 3))
         else:
             log("fresh_start", world_size=world, local_world_size=local_world)
 

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .budget import format_budget, recovery_budget
 from .harness import Harness
 
 # Long enough never to finish during a scenario; slow enough to read, fast enough to save
@@ -61,10 +62,15 @@ class NodeLoss:
     restored: dict[str, Any]  # rank 0's `restored` event
     first_step: dict[str, Any]  # and its first step after it
     staged_loss: float | None  # the eval loss logged when the restored step was saved
+    recovery: dict[str, Any] = field(default_factory=dict)  # the job's status.lastRecovery
+
+    def budget(self) -> dict[str, float | None]:
+        return recovery_budget(self.killed_at, self.recovery, self.restored, self.first_step)
 
     def record(self, backend: str) -> dict[str, Any]:
         """The numbers docs/e2e.md quotes."""
         return {
+            "budget": self.budget(),
             "scenario": "node_loss",
             "backend": backend,
             "kill_to_first_step_s": round(self.first_step["t"] - self.killed_at, 1),
@@ -179,8 +185,17 @@ class Lifecycle:
         loss = staged.get(restored["step"])
         if loss is not None:  # else staged in the instant between the log read and the kill
             assert math.isclose(restored["eval_loss"], loss, rel_tol=1e-4), (restored, loss)
-        return NodeLoss(node, victim.metadata.name, killed_at, committed_before, st, restored,
-                        first, loss)  # fmt: skip
+
+        def recovered() -> dict[str, Any] | None:  # written once every rank runs
+            found = c.status(ns, name).get("lastRecovery") or {}
+            return found if found.get("failureSeenAt", 0.0) >= killed_at else None
+
+        recovery = c.wait(recovered, "status.lastRecovery of this recovery", 60)
+        assert recovery["reason"] == reason, (recovery, reason)
+        loss_seen = NodeLoss(node, victim.metadata.name, killed_at, committed_before, st,
+                             restored, first, loss, recovery)  # fmt: skip
+        c.log(f"node loss, kill to first step: {format_budget(loss_seen.budget())}")
+        return loss_seen
 
     def node_returns(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Starts the lost node again; the job grows back to 3 (planned: not a failure).

@@ -294,6 +294,7 @@ class Ending:
     cause: Cause
     suspect: tuple[str, ...] = ()  # nodes not to trust until their kubelet is seen again
     size_cap: int | None = None
+    stuck: tuple[str, ...] = ()  # pods that cannot stop when asked (a stopped trainer): forced
 
 
 def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
@@ -358,7 +359,7 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
                 f"while its sidecar answers (failureDetection.heartbeatTimeoutSeconds="
                 f"{timeout:g}): stopped, or frozen holding the GIL"
             )
-            return Ending("RankHung", msg, Cause.CRASH)
+            return Ending("RankHung", msg, Cause.CRASH, stuck=(p.name,))
     waiting = [p for p in current if p.phase not in ("Running", "Succeeded")]
     started = state.attempt_started
     limit = spec.detection.scheduling_timeout_seconds
@@ -392,6 +393,22 @@ def _silent_since_failure(
             if silent >= failed.phase_age:
                 return q
     return None
+
+
+def recovery_budget(state: JobState, now: float) -> dict[str, Any]:
+    """``status.lastRecovery``: the last unplanned restart's reason and its phases by the
+    operator's clock (Unix seconds): the failure seen (the decision to end the attempt),
+    the next attempt started (teardown and backoff done), every rank Running. What the
+    ranks did after that (imports, rendezvous, restore, first step) their logs say
+    (docs/benchmarks.md, "Recovery budget")."""
+    seen = state.failure_seen_at if state.failure_seen_at is not None else now
+    return {
+        "reason": state.condition(Condition.RESTARTED).get("reason"),
+        "failureSeenAt": seen,
+        "attemptStarted": state.attempt_started,
+        "runningAt": now,
+        "seconds": round(max(0.0, now - seen), 3),
+    }
 
 
 def _older(obs: Observation) -> list[Action]:
@@ -573,6 +590,7 @@ def _running(obs: Observation, current: Sequence[PodView], actions: list[Action]
         if state.failure_seen_at is not None:
             actions.append(Recovered(max(0.0, now - state.failure_seen_at)))
             update["failureSeenAt"] = None
+            update["lastRecovery"] = recovery_budget(state, now)
     if obs.last_checkpoint and dict(obs.last_checkpoint) != dict(state.last_checkpoint or {}):
         update["lastCheckpoint"] = dict(obs.last_checkpoint)
     if spec.replicas < state.world_size:
@@ -703,7 +721,7 @@ def _end_attempt(
             PatchStatus(update, restarting),
             Emit(kind, ending.reason, f"restarting: {ending.message}"),
             Restarted(ending.reason, ending.cause),
-            *_teardown(obs, current, suspect),
+            *_teardown(obs, current, suspect, stuck=ending.stuck),
             PatchStatus({"tornDown": True}),
         ),
         requeue_after=1.0,
@@ -727,23 +745,29 @@ def _fail(
 
 
 def _teardown(
-    obs: Observation, current: Sequence[PodView], suspect: Mapping[str, float] | None = None
+    obs: Observation,
+    current: Sequence[PodView],
+    suspect: Mapping[str, float] | None = None,
+    *,
+    stuck: Sequence[str] = (),
 ) -> list[Action]:
     """Delete the attempt: gracefully where a kubelet can stop the pod, by force where none
-    can (its node is gone, NotReady or suspect); a force-deleted straggler cannot harm the
-    next attempt (a fresh rendezvous port, and saves fenced by attempt)."""
+    can (its node is gone, NotReady or suspect) or where the pod cannot stop when asked
+    (``stuck``: a stopped trainer ignores SIGTERM until the grace period ends); a
+    force-deleted straggler cannot harm the next attempt (a fresh rendezvous port, and
+    saves fenced by attempt)."""
     live = _live_nodes(obs, obs.state.suspect if suspect is None else suspect)
-    graceful = tuple(
-        p.name
-        for p in current
-        if not p.terminating and (p.node_name is None or p.node_name in live)
-    )
-    forced = tuple(p.name for p in current if p.node_name is not None and p.node_name not in live)
+
+    def forced(p: PodView) -> bool:
+        return p.node_name is not None and (p.node_name not in live or p.name in stuck)
+
+    graceful = tuple(p.name for p in current if not p.terminating and not forced(p))
+    forced_names = tuple(p.name for p in current if forced(p))
     actions: list[Action] = [DeleteAttempt(obs.state.attempt)]
     if graceful:
         actions.append(DeletePods(graceful))
-    if forced:
-        actions.append(DeletePods(forced, force=True))
+    if forced_names:
+        actions.append(DeletePods(forced_names, force=True))
     return actions
 
 

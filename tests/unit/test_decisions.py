@@ -312,7 +312,7 @@ def test_heartbeat_lost_ends_the_attempt_in_seconds_and_the_node_is_suspect() ->
 def test_a_trainer_silent_past_the_timeout_behind_a_live_sidecar_is_a_hung_rank() -> None:
     """Its sidecar answers (so no HeartbeatLost), its trainer has not run for longer than
     the timeout: the attempt ends, as the job's own failure (a hang that recurs must stop at
-    maxRestarts); its node is not suspect."""
+    maxRestarts); its node is not suspect, its pod is deleted by force."""
     beats: dict[int, float | None] = {0: 0.5, 1: 0.5, 2: 0.5}
     plan = decide(observe(RUNNING3, pods(3), nodes(3), 100.0, beats=beats, trainers={1: 3.4}))
     assert what(plan) == "restart RankHung crash"
@@ -320,6 +320,33 @@ def test_a_trainer_silent_past_the_timeout_behind_a_live_sidecar_is_a_hung_rank(
     assert "trainer of rank 1 (pod a1-1) has not run for 3s" in message
     assert "heartbeatTimeoutSeconds=3" in message
     assert not plan.status().get("suspectNodes")
+    # a stopped trainer ignores SIGTERM: its pod goes by force, the others as usual
+    deletes = [a for a in plan.actions if isinstance(a, DeletePods)]
+    assert DeletePods(("a1-1",), force=True) in deletes
+    assert DeletePods(("a1-0", "a1-2")) in deletes
+
+
+def test_the_recovery_budget_is_kept_when_the_next_attempt_runs() -> None:
+    """Every rank of attempt 2 Running: the failure seen at 100 (HeartbeatLost), attempt 2
+    started at 103, running at 110 stay in status.lastRecovery, and failureSeenAt goes."""
+    restarted = {"type": "Restarted", "status": "True", "reason": "HeartbeatLost"}
+    state = dataclasses.replace(
+        RUNNING3, attempt=2, attempt_started=103.0, failure_seen_at=100.0,
+        conditions=(restarted,),
+    )  # fmt: skip
+    plan = decide(observe(state, pods(3, attempt=2), nodes(3), 110.0))
+    status = plan.status()
+    assert status["failureSeenAt"] is None
+    assert status["lastRecovery"] == {
+        "reason": "HeartbeatLost",
+        "failureSeenAt": 100.0,
+        "attemptStarted": 103.0,
+        "runningAt": 110.0,
+        "seconds": 10.0,
+    }
+    healthy = dataclasses.replace(state, failure_seen_at=None, healthy_since=110.0)
+    later = decide(observe(healthy, pods(3, attempt=2), nodes(3), 120.0)).status()
+    assert "lastRecovery" not in later, "written once, when the ranks run"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,107 @@
+"""Failure detection's rules, on the local cluster with the operator's default timings
+(heartbeat period 1 s, timeout 3 s): a rank whose trainer is stopped (SIGSTOP) while its
+sidecar answers is seen within the timeout and ended as ``RankHung``; one stopped for less
+than the timeout costs nothing, not even its attempt."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from ctj_devcluster import Cluster
+from ctj_stack.jobs import FAST_TRAINING, NewJob, running, status, trainer_events, wait_for
+from kubernetes import client
+
+pytestmark = pytest.mark.cluster
+
+TIMEOUT_S = 3.0  # failureDetection.heartbeatTimeoutSeconds, examples/job.yaml's default
+PERIOD_S = 1.0
+RECONCILE_S = 1.0  # the operator's reconcile timer
+
+
+def trainer_group(cluster: Cluster, namespace: str, pod: str) -> int:
+    """The process group of the pod's trainer container (the local cluster runs each
+    container as its own group and says its pid in the container ID)."""
+    core = client.CoreV1Api(cluster.api_client())
+    found = core.read_namespaced_pod(pod, namespace)
+    ids = [c.container_id for c in found.status.container_statuses or [] if c.name == "trainer"]
+    assert ids and ids[0], f"{pod} has no trainer container running"
+    return int(ids[0].rsplit("/", 1)[1])
+
+
+@pytest.fixture
+def stopped() -> Iterator[list[int]]:
+    """Process groups a test stops; killed afterwards, whatever happened."""
+    groups: list[int] = []
+    yield groups
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def steps_of(cluster: Cluster, namespace: str, pod: str) -> list[int]:
+    return [e["step"] for e in trainer_events(cluster, namespace, pod) if e.get("event") == "step"]
+
+
+def training(cluster: Cluster, namespace: str, name: str) -> int:
+    """Attempt 1 runs at 3 and has trained a step (so every trainer has its pulse: its
+    Checkpointer was made before the collective load, and steps are collective): the last
+    step rank 0 logged (only rank 0 logs)."""
+    wait_for(lambda: running(cluster, namespace, name, 1, 3), "attempt 1 running on 3 nodes", 180)
+    pod = f"{name}-a1-0"
+    steps = wait_for(functools.partial(steps_of, cluster, namespace, pod), f"{pod} to train", 120)
+    return int(steps[-1])
+
+
+def test_a_stopped_trainer_is_a_hung_rank_within_the_timeout(
+    op_cluster: Cluster, job_namespace: str, new_job: NewJob, stopped: list[int]
+) -> None:
+    ns, name = job_namespace, "hung"
+    new_job(name, env=FAST_TRAINING, restartPolicy={"maxRestarts": 5, "backoffSeconds": 0.5})
+    training(op_cluster, ns, name)
+    group = trainer_group(op_cluster, ns, f"{name}-a1-1")
+    stopped.append(group)
+    os.killpg(group, signal.SIGSTOP)
+    began = time.monotonic()
+
+    def restarted() -> dict[str, str] | None:
+        found = status(op_cluster, ns, name)
+        cond = {c["type"]: c for c in found.get("conditions") or []}.get("Restarted")
+        return cond if found.get("attempt", 1) > 1 or (cond and cond["status"] == "True") else None
+
+    cond = wait_for(restarted, "the attempt to end", 60)
+    detected = time.monotonic() - began
+    print(f"hung rank: SIGSTOP -> attempt ended in {detected:.1f} s ({cond['reason']})")
+    assert cond["reason"] == "RankHung", cond
+    assert "trainer of rank 1" in cond["message"], cond
+    # the timeout, then at most one ask's period and one reconcile, plus this poll's lag
+    assert TIMEOUT_S <= detected <= TIMEOUT_S + PERIOD_S + RECONCILE_S + 3.0, detected
+    st = wait_for(lambda: running(op_cluster, ns, name, 2, 3), "attempt 2 running on 3", 120)
+    assert (st["restarts"], st["nodeRestarts"]) == (1, 0), "a hang is the job's, not a node's"
+    assert not st.get("suspectNodes"), "the node of a hung trainer is not suspect"
+
+
+def test_a_trainer_stopped_for_less_than_the_timeout_keeps_its_attempt(
+    op_cluster: Cluster, job_namespace: str, new_job: NewJob, stopped: list[int]
+) -> None:
+    """A pause (a long GC, a stalled disk) resumed inside the timeout is not a failure."""
+    ns, name = job_namespace, "paused"
+    new_job(name, env=FAST_TRAINING)
+    before = training(op_cluster, ns, name)
+    group = trainer_group(op_cluster, ns, f"{name}-a1-1")
+    stopped.append(group)
+    os.killpg(group, signal.SIGSTOP)
+    time.sleep(TIMEOUT_S / 2)  # the fault itself: a pause of half the timeout
+    os.killpg(group, signal.SIGCONT)
+    # trained on past the pause (steps are collective: every rank did), long enough for the
+    # operator to have judged the silence its asks saw during the pause
+    pod = f"{name}-a1-0"
+    wait_for(lambda: steps_of(op_cluster, ns, pod)[-1] >= before + 30, "training past it", 60)
+    st = status(op_cluster, ns, name)
+    assert (st["attempt"], st.get("restarts", 0), st.get("nodeRestarts", 0)) == (1, 0, 0), st
