@@ -5,6 +5,8 @@
 # job, stops a node, and prints the timeline of the recovery (hack/ctj_stack/demo.py).
 #
 #   ./hack/demo.sh [--keep]   on kind (--keep: leave the job training at the end)
+#   ./hack/demo.sh --rounds 5 --hangs 5 --json F   the recovery benchmark on kind: budgets
+#                             by phase, medians and spreads (docs/benchmarks.md)
 #   ./hack/demo.sh --local    the engine-only demo, no cluster, no container runtime
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -8,6 +8,7 @@
 #                             (hack/containers/images.sh's, all loaded on its nodes; the
 #                             chart's sidecarImage is CTJ_SIDECAR_IMAGE: ctj_stack.Stack)
 #   CTJ_E2E_NODE_STOP=docker kill {node}   CTJ_E2E_NODE_START=docker start {node}
+#   CTJ_E2E_NODE_EXEC=docker exec {node}   (a command on a node: a trainer stopped by signal)
 #
 #   hack/stack-env.sh --prepare   builds all of it (Docker, our images, kind's binaries and
 #                                 images, the image store, the loopback registry of the
@@ -43,3 +44,4 @@ echo "CTJ_E2E_KUBECONFIG=$kubeconfig"
 printf '%s\n' "$images"
 echo "CTJ_E2E_NODE_STOP=/usr/bin/docker kill {node}"
 echo "CTJ_E2E_NODE_START=/usr/bin/docker start {node}"
+echo "CTJ_E2E_NODE_EXEC=/usr/bin/docker exec {node}"

@@ -1,4 +1,5 @@
-"""``python -m ctj_stack demo [--keep]``: the operator demo on a real cluster."""
+"""``python -m ctj_stack demo [--keep] [--rounds N] [--hangs M] [--json FILE]``: the operator
+demo on a real cluster (with --rounds/--hangs, the recovery benchmark)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from .demo import main
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["demo"]:
-        print("usage: python -m ctj_stack demo [--keep]", file=sys.stderr)
+        print("usage: python -m ctj_stack demo [--keep] [--rounds N] [--hangs M] [--json FILE]",
+              file=sys.stderr)  # fmt: skip
         sys.exit(2)
     sys.exit(main(sys.argv[2:]))

@@ -9,7 +9,8 @@ rendezvous ended, how long the restore took) and its first step after it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 PHASES = (
@@ -62,3 +63,29 @@ def format_budget(budget: Mapping[str, float | None]) -> str:
     ]
     total = budget.get("total_s")
     return ", ".join(parts) + (f" = {total:.1f} s" if total is not None else "")
+
+
+def summarize(budgets: Sequence[Mapping[str, float | None]]) -> dict[str, dict[str, float]]:
+    """Per phase (and ``total_s``) over several recoveries: median, min, max and the count
+    of rounds that measured it (phases no round measured are left out)."""
+    out: dict[str, dict[str, float]] = {}
+    for name in [*(n for n, _ in PHASES), "total_s"]:
+        values = [float(v) for b in budgets if (v := b.get(name)) is not None]
+        if values:
+            out[name] = {
+                "median": round(statistics.median(values), 2),
+                "min": min(values),
+                "max": max(values),
+                "rounds": len(values),
+            }
+    return out
+
+
+def format_summary(summary: Mapping[str, Mapping[str, float]]) -> str:
+    """A table: phase, median, min-max, rounds."""
+    rows = [f"{'phase':<14}{'median':>8}  {'min-max':>13}  rounds"]
+    for name, s in summary.items():
+        spread = f"{s['min']:.1f}-{s['max']:.1f}"
+        rows.append(f"{name.removesuffix('_s'):<14}{s['median']:>7.1f}s  {spread:>12}s  "
+                    f"{int(s['rounds'])}")  # fmt: skip
+    return "\n".join(rows)

@@ -6,16 +6,23 @@ for checkpoints, stops the node under the job's last rank, and prints what happe
 the commits, the failure, the new world size, the restored step, the loss before and
 after, the time from the kill to the first step after the restore. Then the node comes
 back and the job grows to 3 again. The job is deleted at the end unless --keep.
+
+Every recovery prints its budget: detection, teardown, the new pods' start, imports,
+rendezvous, restore, first step (ctj_stack.budget). ``--rounds N --hangs M`` is the
+recovery benchmark: N node losses (each followed by the node's return) and M hung ranks,
+with medians and spreads per phase (docs/benchmarks.md, "Recovery budget").
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
+from .budget import format_budget, format_summary, summarize
 from .scenario import Lifecycle
 from .stack import OPERATOR_NAMESPACE, Images, NodeControl, S3Credentials, Stack
 
@@ -53,9 +60,10 @@ class Timeline:
         print(f"  t+{(at or time.time()) - self.t0:6.1f}s  {what}", flush=True)
 
 
-def run(stack: Stack, keep: bool) -> None:
+def run(stack: Stack, keep: bool, rounds: int = 1, hangs: int = 0, out: Path | None = None) -> None:
     """The scenario the tests run (ctj_stack.scenario), its first three steps, told as a
-    timeline."""
+    timeline; then ``rounds - 1`` more node losses and ``hangs`` hung ranks, each with its
+    recovery budget, and their medians and spreads (the recovery benchmark)."""
     credentials = S3Credentials()
     stack.install_operator(
         release=OPERATOR_RELEASE, control_plane=bool(stack.control_plane_nodes())
@@ -92,11 +100,29 @@ def run(stack: Stack, keep: bool) -> None:
     recovery = first["t"] - loss.killed_at
     timeline(f"first step after the restore: {first['step']} "
              f"(recovery: {recovery:.1f}s from the kill)", first["t"])  # fmt: skip
+    timeline(f"recovery budget: {format_budget(loss.budget())}", first["t"])
+    budgets: dict[str, list[dict[str, float | None]]] = {"node_loss": [loss.budget()]}
 
     timeline(f"starting node {loss.node} again")
     grown, back = scenario.node_returns()
     timeline(f"job grew back to world size 3 (attempt {grown['attempt']}) from step "
              f"{back['step']}")  # fmt: skip
+    for i in range(2, rounds + 1):
+        again = scenario.loses_a_node()
+        budgets["node_loss"].append(again.budget())
+        timeline(f"node loss {i}/{rounds}: {format_budget(again.budget())}", again.first_step["t"])
+        scenario.node_returns()
+    for i in range(1, hangs + 1):
+        hang = scenario.hangs_a_rank()
+        budgets.setdefault("hung_rank", []).append(hang.budget())
+        timeline(f"hung rank {i}/{hangs}: {format_budget(hang.budget())}", hang.first_step["t"])
+    if rounds > 1 or hangs:
+        for fault, found in budgets.items():
+            print(f"\n{fault}, {len(found)} rounds:\n{format_summary(summarize(found))}")
+    if out is not None:
+        summary = {fault: summarize(found) for fault, found in budgets.items()}
+        out.write_text(json.dumps({"rounds": budgets, "summary": summary}, indent=1) + "\n")
+        print(f"(wrote {out})", flush=True)
 
     print(where_to_look(stack.kubeconfig, Path(stack.tools.kubectl).parent), flush=True)
     if not keep:
@@ -107,7 +133,22 @@ def run(stack: Stack, keep: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ctj_stack demo", description=__doc__)
     parser.add_argument("--keep", action="store_true", help="leave the job running at the end")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="node losses to recover from (the recovery benchmark: 5+)",
+    )
+    parser.add_argument(
+        "--hangs",
+        type=int,
+        default=0,
+        help="then as many hung ranks (a trainer SIGSTOPped for good)",
+    )
+    parser.add_argument("--json", type=Path, help="write every round's budget and the summary")
     args = parser.parse_args(argv)
+    if args.rounds < 1 or args.hangs < 0:
+        parser.error("--rounds must be at least 1 and --hangs at least 0")
     kubeconfig = os.environ.get("CTJ_E2E_KUBECONFIG", "")
     nodes = NodeControl.from_env()
     try:
@@ -121,5 +162,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stack = Stack(Path(kubeconfig), images, log=lambda line: print(f"demo: {line}", flush=True),
                   nodes=nodes)  # fmt: skip
-    run(stack, args.keep)
+    run(stack, args.keep, args.rounds, args.hangs, args.json)
     return 0

@@ -83,6 +83,11 @@ class Harness(ABC):
     def start_node(self, node: str) -> None:
         """Bring it back, same name."""
 
+    @abstractmethod
+    def signal_trainer(self, namespace: str, pod: str, signal: str) -> None:
+        """Send ``signal`` (STOP, CONT, KILL) to the pod's trainer process, as the machine's
+        owner could: a hung rank, made on purpose."""
+
     def reserved_nodes(self) -> set[str]:
         """Nodes a scenario must not stop (they run what the test is not about)."""
         return set()

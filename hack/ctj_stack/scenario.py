@@ -125,6 +125,17 @@ class Lifecycle:
         self.attempt = int(st["attempt"])
         return st, restored, first
 
+    def _recovery_since(self, failed_at: float) -> dict[str, Any]:
+        """The job's status.lastRecovery of a failure caused at ``failed_at`` (the operator
+        writes it once every rank of the next attempt runs)."""
+
+        def recovered() -> dict[str, Any] | None:
+            found = self.cluster.status(self.namespace, self.name).get("lastRecovery") or {}
+            return found if found.get("failureSeenAt", 0.0) >= failed_at else None
+
+        found: dict[str, Any] = self.cluster.wait(recovered, "status.lastRecovery", 60)
+        return found
+
     def commits_checkpoints(self) -> dict[str, Any]:
         """Applies the example job; 3 pods run and 2 checkpoints commit. Its status."""
         c, ns, name = self.cluster, self.namespace, self.name
@@ -185,12 +196,7 @@ class Lifecycle:
         loss = staged.get(restored["step"])
         if loss is not None:  # else staged in the instant between the log read and the kill
             assert math.isclose(restored["eval_loss"], loss, rel_tol=1e-4), (restored, loss)
-
-        def recovered() -> dict[str, Any] | None:  # written once every rank runs
-            found = c.status(ns, name).get("lastRecovery") or {}
-            return found if found.get("failureSeenAt", 0.0) >= killed_at else None
-
-        recovery = c.wait(recovered, "status.lastRecovery of this recovery", 60)
+        recovery = self._recovery_since(killed_at)
         assert recovery["reason"] == reason, (recovery, reason)
         loss_seen = NodeLoss(node, victim.metadata.name, killed_at, committed_before, st,
                              restored, first, loss, recovery)  # fmt: skip
@@ -223,6 +229,60 @@ class Lifecycle:
         assert condition(st, "Restarted").get("reason") == "Resize", st["conditions"]
         assert "Resize" in {e.reason for e in c.events(ns, self.name)}
         return st, restored
+
+    def _steps(self, pod: str) -> list[int]:
+        events = self.cluster.trainer_events(self.namespace, pod)
+        return [int(e["step"]) for e in events if e.get("event") == "step"]
+
+    def pauses_a_rank(self, seconds: float) -> dict[str, Any]:
+        """Stops one rank's trainer (SIGSTOP) for ``seconds``, less than the heartbeat
+        timeout, and lets it go on (SIGCONT): training goes on past the pause in the same
+        attempt, nothing restarted (a long GC pause, a stalled disk). The status."""
+        c, ns, name = self.cluster, self.namespace, self.name
+        before = c.status(ns, name)
+        master = c.master(ns, name, self.attempt)
+        assert master, f"attempt {self.attempt} has no rank-0 pod"
+        victim = c.victim(ns, name, self.attempt).metadata.name
+        step = c.wait(lambda: self._steps(master), "a step of rank 0", 60)[-1]
+        c.log(f"stopping the trainer of {victim} for {seconds:g} s")
+        c.signal_trainer(ns, victim, "STOP")
+        try:
+            time.sleep(seconds)  # the fault itself: a pause of this length
+        finally:
+            c.signal_trainer(ns, victim, "CONT")
+        # steps are collective: rank 0 past the pause means every rank went on, and the
+        # operator has asked every rank several times since
+        c.wait(lambda: self._steps(master)[-1] >= step + 30, "training past the pause", 120)
+        st = c.status(ns, name)
+        for key in ("attempt", "restarts", "nodeRestarts"):
+            assert st.get(key, 0) == before.get(key, 0), (key, before, st)
+        return st
+
+    def hangs_a_rank(self) -> NodeLoss:
+        """Stops one rank's trainer for good (SIGSTOP): its sidecar still answers, the
+        operator sees the trainer silent past the heartbeat timeout and restarts the job
+        (RankHung, the job's own failure) at the same size, from its last checkpoint; the
+        stopped pod is deleted by force. What it saw, as a node loss's record."""
+        c, ns, name = self.cluster, self.namespace, self.name
+        st0 = c.status(ns, name)
+        world, restarts = int(st0["worldSize"]), int(st0.get("restarts", 0))
+        victim = c.victim(ns, name, self.attempt)
+        committed_before = self._last_committed()
+        stopped_at = time.time()
+        c.log(f"stopping the trainer of {victim.metadata.name} (SIGSTOP)")
+        c.signal_trainer(ns, victim.metadata.name, "STOP")
+        st, restored, first = self._resumed(world, committed_before)
+        assert condition(st, "Restarted").get("reason") == "RankHung", st["conditions"]
+        assert (st["restarts"], st.get("nodeRestarts", 0)) == (
+            restarts + 1,
+            st0.get("nodeRestarts", 0),
+        ), "a hung rank is the job's failure, not a node's"
+        assert not st.get("suspectNodes"), "the node of a hung trainer is not suspect"
+        recovery = self._recovery_since(stopped_at)
+        hang = NodeLoss(victim.spec.node_name, victim.metadata.name, stopped_at,
+                        committed_before, st, restored, first, None, recovery)  # fmt: skip
+        c.log(f"hung rank, stop to first step: {format_budget(hang.budget())}")
+        return hang
 
     def deleted(self) -> None:
         """Deleting the job removes every child (the garbage collector follows the

@@ -5,6 +5,8 @@ machine, so a job's trainer runs examples/ from the checkout (ctj_stack.jobs.job
 
 from __future__ import annotations
 
+import os
+import signal as signal_module
 from collections.abc import Callable
 from typing import Any
 
@@ -47,3 +49,12 @@ class SimulatedStack(Harness):
 
     def start_node(self, node: str) -> None:
         self.cluster.restart_node(node)
+
+    def signal_trainer(self, namespace: str, pod: str, signal: str) -> None:
+        """The local cluster runs each container as a process group and names its leader's
+        pid in the container ID (``ctj://<node>/<pid>``)."""
+        found = self.core.read_namespaced_pod(pod, namespace)
+        ids = [c.container_id for c in found.status.container_statuses or [] if c.name == "trainer"]
+        if not ids or not ids[0]:
+            raise RuntimeError(f"{pod} has no trainer container running")
+        os.killpg(int(ids[0].rsplit("/", 1)[1]), getattr(signal_module, f"SIG{signal}"))

@@ -106,20 +106,31 @@ class Tools:
 @dataclass(frozen=True)
 class NodeControl:
     """How to stop and start a node, as shell command templates with ``{node}``: on kind
-    ``docker kill {node}`` and ``docker start {node}`` (CTJ_E2E_NODE_STOP/START)."""
+    ``docker kill {node}`` and ``docker start {node}`` (CTJ_E2E_NODE_STOP/START); and how
+    to run a command on it, ``docker exec {node}`` (CTJ_E2E_NODE_EXEC, optional)."""
 
     stop: str
     start: str
+    exec: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> NodeControl | None:
         env = dict(os.environ if env is None else env)
         stop, start = env.get("CTJ_E2E_NODE_STOP", ""), env.get("CTJ_E2E_NODE_START", "")
-        return cls(stop, start) if stop and start else None
+        run = env.get("CTJ_E2E_NODE_EXEC", "")
+        return cls(stop, start, run) if stop and start else None
 
-    def _run(self, template: str, node: str) -> None:
+    def _run(self, template: str, node: str, *args: str) -> None:
         command = template.format(node=shlex.quote(node))
+        if args:
+            command += " " + shlex.join(args)
         subprocess.run(command, shell=True, check=True, stdout=subprocess.DEVNULL)
+
+    def run_on(self, node: str, *args: str) -> None:
+        """Runs ``args`` on the node (CTJ_E2E_NODE_EXEC)."""
+        if not self.exec:
+            raise RuntimeError("no way to run a command on a node here: set CTJ_E2E_NODE_EXEC")
+        self._run(self.exec, node, *args)
 
     def stop_node(self, node: str) -> None:
         self._run(self.stop, node)
@@ -365,6 +376,19 @@ class Stack(Harness):
 
     def start_node(self, node: str) -> None:
         self._node_control().start_node(node)
+
+    def signal_trainer(self, namespace: str, pod: str, signal: str) -> None:
+        """On the pod's node: the trainer container's main process, by its container ID
+        (crictl), gets ``signal`` (a SIGSTOP from the node's PID namespace reaches it; from
+        inside its own container it would not, being its PID 1)."""
+        found = self.core.read_namespaced_pod(pod, namespace)
+        ids = [c.container_id for c in found.status.container_statuses or [] if c.name == "trainer"]
+        if not ids or not ids[0]:
+            raise RuntimeError(f"{pod} has no trainer container running")
+        container = ids[0].split("://", 1)[-1]
+        pid = f"$(crictl inspect --output go-template --template '{{{{.info.pid}}}}' {container})"
+        script = f'kill -s {shlex.quote(signal)} "{pid}"'
+        self._node_control().run_on(found.spec.node_name, "sh", "-c", script)
 
     def reserved_nodes(self) -> set[str]:
         """Nodes that run the operator, the S3 server or Kubeflow's controller (not the

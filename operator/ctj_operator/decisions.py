@@ -329,8 +329,8 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
         if p.phase == "Failed":
             quiet = _silent_since_failure(obs, current, p)
             if quiet is not None:  # a peer went quiet: wait to learn whether it is lost
-                age = p.phase_age or 0.0
-                if age < spec.detection.heartbeat_timeout_seconds:
+                silent = obs.beats.get(quiet.node_rank) or 0.0
+                if silent <= spec.detection.heartbeat_timeout_seconds:
                     return None
                 msg = (
                     f"rank {quiet.node_rank} (pod {quiet.name} on {quiet.node_name}) "
@@ -383,8 +383,9 @@ def _silent_since_failure(
 
     When a node dies, the ranks that survive it crash at once (their collective breaks)
     while the lost rank still reads Running. Such a failure is the node's, not the job's:
-    it is judged a crash only once every rank still running has beaten since (or, after
-    the heartbeat timeout, a lost node: HeartbeatLost)."""
+    it is judged a crash only once every rank still running has beaten since (or, once
+    that rank has been silent past the heartbeat timeout, counted from its last beat, not
+    from the crash: a lost node, HeartbeatLost)."""
     if failed.phase_age is None:
         return None
     for q in sorted(current, key=lambda q: q.node_rank):

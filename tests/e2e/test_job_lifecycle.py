@@ -1,14 +1,16 @@
 """One job through what ctj is bought for, on a real cluster: the chart installed with
 our operator image, the example job on our trainer image checkpointing to the S3 server
-in the cluster, a node lost (its container killed) and back, a `kubectl scale`, a delete,
-and a new job that resumes from the deleted one's checkpoints (`resumeFrom`); then the
+in the cluster, a node lost (its container killed) and back, a `kubectl scale`, a rank's
+trainer paused for less than the heartbeat timeout (nothing happens) and then stopped for
+good (a hung rank, restarted within seconds), a delete, and a new job that resumes from the deleted one's checkpoints (`resumeFrom`); then the
 scenario with backend pytorchjob, under Kubeflow's controller; then two ranks per pod
 under torchrun (examples/job-torchrun.yaml), one sidecar serving both, through a node
 loss that reshards 3 pods x 2 ranks to 2 x 2.
 
 Each step waits on a condition the user would watch (`kubectl get ctj`, the trainer's
-log); the node-loss step records the time from the kill to the first training step after
-the restore into $CTJ_E2E_RESULTS (docs/e2e.md quotes it).
+log); the node-loss and hung-rank steps record the time from the fault to the first
+training step after the restore, and its budget by phase, into $CTJ_E2E_RESULTS
+(docs/e2e.md quotes it).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ SCRAPE = (
     f"print(u.urlopen(f'http://{{os.environ[\"CTJ_METRICS_HOST\"]}}:{METRICS_PORT}/metrics')"
     ".read().decode())"
 )
+
+
+HEARTBEAT_TIMEOUT_S = 3.0  # examples/job.yaml's failureDetection.heartbeatTimeoutSeconds
 
 
 def _record(result: dict[str, Any]) -> None:
@@ -104,6 +109,22 @@ class TestJobLifecycle:
     def test_kubectl_scale_resizes_the_job(self, scenario: Lifecycle) -> None:
         scenario.resized()
 
+    def test_a_trainer_paused_for_less_than_the_timeout_keeps_its_attempt(
+        self, scenario: Lifecycle, node_control: NodeControl
+    ) -> None:
+        scenario.pauses_a_rank(HEARTBEAT_TIMEOUT_S / 2)
+
+    def test_a_hung_trainer_restarts_the_job_within_seconds(
+        self, scenario: Lifecycle, node_control: NodeControl
+    ) -> None:
+        hang = scenario.hangs_a_rank()
+        result = {**hang.record(self.BACKEND), "scenario": "hung_rank"}
+        scenario.cluster.log(f"hung rank: {json.dumps(result)}")
+        _record(result)
+        detect = result["budget"]["detect_s"]
+        # the timeout, then at most an ask's period and a reconcile, plus the status poll
+        assert detect is not None and HEARTBEAT_TIMEOUT_S <= detect <= HEARTBEAT_TIMEOUT_S + 4
+
     def test_deleting_the_job_removes_every_child(self, scenario: Lifecycle) -> None:
         scenario.deleted()
 
@@ -129,6 +150,9 @@ class TestPytorchJobLifecycle(TestJobLifecycle):
     # node's return (ScaleUp) has just taken with this backend (a planned stop, a new
     # PyTorchJob at another world size); the pods backend runs it above.
     test_kubectl_scale_resizes_the_job = None  # type: ignore[assignment]
+    # detection is the operator's and the sidecar's, whatever made the pods
+    test_a_trainer_paused_for_less_than_the_timeout_keeps_its_attempt = None  # type: ignore[assignment]
+    test_a_hung_trainer_restarts_the_job_within_seconds = None  # type: ignore[assignment]
     # resumeFrom is resolved and read by the trainer's load, the same under either
     # backend: run once, above
     test_a_new_job_resumes_from_the_deleted_one_and_succeeds = None  # type: ignore[assignment]

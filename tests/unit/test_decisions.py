@@ -557,6 +557,15 @@ def test_survivors_crashing_because_a_node_died_is_the_nodes_fault() -> None:
     assert plan.status()["suspectNodes"] == {"n2": 10.5}
 
 
+def test_the_lost_ranks_silence_counts_from_its_last_beat_not_from_the_crash() -> None:
+    """The survivors noticed late (their collective timed out 2.5 s after the node went):
+    the lost rank is judged by its own silence, past the timeout already, at once."""
+    the_pods = [pod(0, "Failed", phase_age=0.5), pod(1, "Failed", phase_age=0.5), pod(2)]
+    beats: dict[int, float | None] = {0: 0.6, 1: 0.6, 2: 3.2}
+    plan = decide(observe(RUNNING3, the_pods, nodes(3), 10.0, beats=beats))
+    assert what(plan) == "restart HeartbeatLost node"
+
+
 @pytest.mark.parametrize(
     "gone",
     [

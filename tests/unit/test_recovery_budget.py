@@ -3,7 +3,7 @@ recovery benchmark print for every recovery."""
 
 from __future__ import annotations
 
-from ctj_stack.budget import PHASES, format_budget, recovery_budget
+from ctj_stack.budget import PHASES, format_budget, format_summary, recovery_budget, summarize
 
 RECOVERY = {"reason": "HeartbeatLost", "failureSeenAt": 103.0, "attemptStarted": 104.5,
             "runningAt": 107.0, "seconds": 4.0}  # fmt: skip
@@ -35,3 +35,16 @@ def test_missing_marks_leave_their_phases_unknown() -> None:
     assert (budget["restore_s"], budget["total_s"]) == (0.5, 13.0)
     line = format_budget(budget)
     assert line.startswith("detect ?, teardown ?,") and line.endswith("= 13.0 s"), line
+
+
+def test_rounds_summarize_to_medians_and_spreads() -> None:
+    fast = recovery_budget(100.0, RECOVERY, RESTORED, FIRST)
+    slow = {**fast, "detect_s": 5.0, "total_s": 15.0}
+    unknown = {**fast, "detect_s": None, "total_s": 14.0}
+    summary = summarize([fast, slow, unknown])
+    assert summary["detect_s"] == {"median": 4.0, "min": 3.0, "max": 5.0, "rounds": 2}
+    assert summary["total_s"] == {"median": 14.0, "min": 13.0, "max": 15.0, "rounds": 3}
+    table = format_summary(summary)
+    assert table.splitlines()[0].split() == ["phase", "median", "min-max", "rounds"]
+    assert "detect" in table and "3.0-5.0s" in table
+    assert summarize([]) == {}

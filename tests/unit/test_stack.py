@@ -162,10 +162,22 @@ def test_node_control_quotes_the_node_name(tmp_path: Path) -> None:
         st.NodeControl(stop="false", start="true").stop_node("n")
 
 
+def test_node_control_runs_a_command_on_a_node_quoted(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    nodes = st.NodeControl(stop="true", start="true", exec=f"echo {{node}} >> {out}; echo")
+    nodes.run_on("ctj-worker2", "sh", "-c", "kill -s STOP 1; touch pwned")
+    assert out.read_text().splitlines() == ["ctj-worker2"]
+    assert not (Path.cwd() / "pwned").exists()
+    with pytest.raises(RuntimeError, match="CTJ_E2E_NODE_EXEC"):
+        st.NodeControl(stop="true", start="true").run_on("n", "true")
+
+
 def test_node_control_needs_both_commands() -> None:
     assert st.NodeControl.from_env({"CTJ_E2E_NODE_STOP": "docker kill {node}"}) is None
     both = {"CTJ_E2E_NODE_STOP": "a {node}", "CTJ_E2E_NODE_START": "b {node}"}
     assert st.NodeControl.from_env(both) == st.NodeControl("a {node}", "b {node}")
+    run = {**both, "CTJ_E2E_NODE_EXEC": "c {node}"}
+    assert st.NodeControl.from_env(run) == st.NodeControl("a {node}", "b {node}", "c {node}")
 
 
 def test_trainer_log_events_skip_other_lines_and_a_line_being_written() -> None:
