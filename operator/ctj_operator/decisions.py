@@ -329,12 +329,12 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
         if p.phase == "Failed":
             quiet = _silent_since_failure(obs, current, p)
             if quiet is not None:  # a peer went quiet: wait to learn whether it is lost
-                silent = obs.beats.get(quiet.node_rank) or 0.0
-                if silent <= spec.detection.heartbeat_timeout_seconds:
+                quiet_for = obs.beats.get(quiet.node_rank) or 0.0
+                if quiet_for <= spec.detection.heartbeat_timeout_seconds:
                     return None
                 msg = (
                     f"rank {quiet.node_rank} (pod {quiet.name} on {quiet.node_name}) "
-                    f"sent no heartbeat since pod {p.name} failed"
+                    f"sent no heartbeat for {quiet_for:.0f}s, since before pod {p.name} failed"
                 )
                 return Ending("HeartbeatLost", msg, Cause.NODE, (quiet.node_name or "",))
             why = "; ".join(w for w in (p.reason, p.exit) if w)

@@ -2,10 +2,11 @@
 our operator image, the example job on our trainer image checkpointing to the S3 server
 in the cluster, a node lost (its container killed) and back, a `kubectl scale`, a rank's
 trainer paused for less than the heartbeat timeout (nothing happens) and then stopped for
-good (a hung rank, restarted within seconds), a delete, and a new job that resumes from the deleted one's checkpoints (`resumeFrom`); then the
-scenario with backend pytorchjob, under Kubeflow's controller; then two ranks per pod
-under torchrun (examples/job-torchrun.yaml), one sidecar serving both, through a node
-loss that reshards 3 pods x 2 ranks to 2 x 2.
+good (a hung rank, restarted within seconds), a delete, and a new job that resumes from
+the deleted one's checkpoints (`resumeFrom`); then the scenario with backend pytorchjob,
+under Kubeflow's controller; then two ranks per pod under torchrun
+(examples/job-torchrun.yaml), one sidecar serving both, through a node loss that
+reshards 3 pods x 2 ranks to 2 x 2.
 
 Each step waits on a condition the user would watch (`kubectl get ctj`, the trainer's
 log); the node-loss and hung-rank steps record the time from the fault to the first
