@@ -5,8 +5,8 @@ A job of 3 ranks runs examples/train_fsdp.py (as tests/cluster/operator_env.py's
 (ctj_devcluster) whose controller manager keeps the upstream timings: node-monitor
 grace period ``--node-grace`` (40 s, the pre-1.32 default and the harder case for the
 heartbeat; kube-controller-manager 1.32+, ours 1.34, defaults to 50 s) and node-monitor
-period 5 s. The operator runs with its defaults (a rank's heartbeat Lease renewed every
-2 s, silent after 10 s), against a moto S3 (``LocalS3``). Each round:
+period 5 s. The operator runs with its defaults (each rank's sidecar asked for a heartbeat every
+1 s, a rank or its trainer silent after 3 s), against a moto S3 (``LocalS3``). Each round:
 
 1. waits for steady training: the current attempt at world size 3, every pod Running,
    and a checkpoint committed by that attempt;
@@ -24,7 +24,8 @@ period 5 s. The operator runs with its defaults (a rank's heartbeat Lease renewe
 4. restarts the node and waits until the job has grown back to 3 (a ``ScaleUp`` after
    ``--stabilization`` seconds) before the next round.
 
-The target (docs/benchmarks.md): kill -> first step <= 30 s + the restore itself.
+The target (issue 26, docs/benchmarks.md): kill -> first step <= 10 s (without a spare),
+plus the restore itself; it was 30 s before detection took 3 s.
 
 Usage:
 
@@ -77,7 +78,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 JOB_NS, JOB = "bench", "recover"
 WORLD = 3
-TARGET_S = 30.0
+TARGET_S = 10.0
 """kill -> first step after the restore, not counting the restore itself."""
 T = TypeVar("T")
 
@@ -126,6 +127,9 @@ class Round:
     trainer_started_s: float
     """kill -> the last rank's trainer container started (its status's startedAt, whole
     seconds; the sidecar's startup probe passed)."""
+    rendezvous_s: float
+    """kill -> every rank met (the restored event's ``rendezvous``: init_process_group
+    returned; the trainer container's start-up before it is its imports)."""
     restore_begin_s: float
     """kill -> the restore began (restored.t - restored.seconds)."""
     restored_s: float
@@ -151,8 +155,9 @@ class Round:
             "teardown (+ any attempt that failed)": self.created_s - self.detect_s,
             "pods bound and Running (sidecar started)": self.pods_running_s - self.created_s,
             "trainer container started": self.trainer_started_s - self.pods_running_s,
-            "trainer start-up (imports, rendezvous, model)": (
-                self.restore_begin_s - self.trainer_started_s
+            "trainer start-up (imports, rendezvous)": self.rendezvous_s - self.trainer_started_s,
+            "model built, Checkpointer made, restore planned": (
+                self.restore_begin_s - self.rendezvous_s
             ),
             "restore": self.restored_s - self.restore_begin_s,
             "first step": self.first_step_s - self.restored_s,
@@ -283,6 +288,7 @@ def measure_round(cluster: Cluster, index: int, args: argparse.Namespace) -> Rou
         created_s=created[current] - killed,
         pods_running_s=pods_running[current] - killed,
         trainer_started_s=trainer_started[current] - killed,
+        rendezvous_s=float(restored.get("rendezvous", restored["t"])) - killed,
         restore_begin_s=float(restored["t"]) - float(restored["seconds"]) - killed,
         restored_s=float(restored["t"]) - killed,
         first_step_s=float(first_step["t"]) - killed,

@@ -59,6 +59,14 @@ class PodView:
     exit: str = ""  # how its trainer ended, e.g. "trainer exited 1: <its last line>"
     waiting: str = ""  # why it is not running yet (the scheduler's message)
     phase_age: float | None = None  # seconds since the operator saw its phase change
+    finished: bool = False
+    """Its trainer ended (the kubelet is stopping its sidecar, the pod still Running): no
+    longer judged by heartbeats, which stop with the sidecar."""
+
+    @property
+    def beating(self) -> bool:
+        """Running, on a node, its trainer not ended: a rank whose silence means something."""
+        return self.phase == "Running" and self.node_name is not None and not self.finished
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -345,15 +353,15 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
     timeout = spec.detection.heartbeat_timeout_seconds
     for p in ranked:
         silent = obs.beats.get(p.node_rank)
-        if p.phase == "Running" and silent is not None and silent > timeout and p.node_name:
+        if p.beating and silent is not None and silent > timeout:
             msg = (
                 f"rank {p.node_rank} (pod {p.name} on {p.node_name}) sent no heartbeat for "
                 f"{silent:.0f}s (failureDetection.heartbeatTimeoutSeconds={timeout:g})"
             )
-            return Ending("HeartbeatLost", msg, Cause.NODE, (p.node_name,))
+            return Ending("HeartbeatLost", msg, Cause.NODE, (p.node_name or "",))
     for p in ranked:
         hung = obs.trainers.get(p.node_rank)
-        if p.phase == "Running" and hung is not None and hung > timeout:
+        if p.beating and hung is not None and hung > timeout:
             msg = (
                 f"the trainer of rank {p.node_rank} (pod {p.name}) has not run for {hung:.0f}s "
                 f"while its sidecar answers (failureDetection.heartbeatTimeoutSeconds="
@@ -390,7 +398,7 @@ def _silent_since_failure(
         return None
     for q in sorted(current, key=lambda q: q.node_rank):
         silent = obs.beats.get(q.node_rank)
-        if q.phase == "Running" and q.node_name and silent is not None:
+        if q.beating and silent is not None:
             if silent >= failed.phase_age:
                 return q
     return None

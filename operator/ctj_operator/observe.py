@@ -78,8 +78,12 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
             waiting = f"{cs.get('name')}: {w['reason']}" + (
                 f" ({w['message']})" if w.get("message") else ""
             )
+    containers = status.get("containerStatuses") or []
     return {
         "exit": container_exit(status),
+        # every main container (the trainer) ended: the kubelet is stopping its sidecar
+        "finished": bool(containers)
+        and all((cs.get("state") or {}).get("terminated") for cs in containers),
         "name": meta["name"],
         "attempt": int(labels.get(LABEL_ATTEMPT, "0")),
         "rank": node_rank(labels),
@@ -102,6 +106,7 @@ def pod_view(s: Mapping[str, Any], phase_age: float | None = None) -> PodView:
         terminating=s["terminating"],
         reason=s["reason"],
         exit=s.get("exit", ""),  # absent from a summary an older operator indexed
+        finished=s.get("finished", False),
         waiting=s["waiting"],
         phase_age=phase_age,
     )

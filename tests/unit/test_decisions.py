@@ -368,6 +368,15 @@ def test_trainer_silences_that_do_not_end_an_attempt(
     )
 
 
+def test_a_rank_whose_trainer_ended_is_not_judged_by_its_silence() -> None:
+    """A planned stop or the job's end: the trainers exit, the kubelet stops each pod's
+    sidecar, whose heartbeat stops seconds before the pod reads Succeeded. Not a loss."""
+    ending = [pod(0, finished=True), pod(1, finished=True), pod(2)]
+    beats: dict[int, float | None] = {0: 5.0, 1: 5.0, 2: 0.5}
+    plan = decide(observe(RUNNING3, ending, nodes(3), 10.0, beats=beats, trainers={0: 9.0}))
+    assert what(plan) == "wait"
+
+
 def test_a_lost_node_is_judged_before_a_hung_trainer() -> None:
     """A node gone silent whose last answer said its trainer was stalled: the node's."""
     beats: dict[int, float | None] = {0: 0.5, 1: 3.5, 2: 0.5}

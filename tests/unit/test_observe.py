@@ -82,3 +82,18 @@ def test_a_trainer_that_exited_0_or_runs_has_no_exit_reason() -> None:
     # a summary indexed by an operator before this field: no exit reason, no KeyError
     old = {k: v for k, v in pod_summary(done).items() if k != "exit"}
     assert pod_view(old).exit == ""
+
+
+def test_a_pod_whose_trainer_ended_is_finished_while_its_sidecar_stops() -> None:
+    """The pod still reads Running while the kubelet stops its native sidecar; its
+    heartbeat stops with the sidecar, so the decisions must know the trainer is done."""
+    done = _failed_pod("all good", code=0)
+    done["status"]["phase"] = "Running"  # type: ignore[index]
+    assert pod_summary(done)["finished"] and pod_view(pod_summary(done)).finished
+    running = {**done, "status": {"phase": "Running", "containerStatuses": [
+        {"name": "trainer", "state": {"running": {}}}]}}  # fmt: skip
+    assert not pod_summary(running)["finished"]
+    starting = {**done, "status": {"phase": "Pending"}}
+    assert not pod_summary(starting)["finished"]
+    old = {k: v for k, v in pod_summary(done).items() if k != "finished"}
+    assert not pod_view(old).finished
