@@ -16,9 +16,12 @@ For each (nodes, jobs) configuration:
   user ``system:serviceaccount:ctj-system:ctj-operator``; its leader Lease lives in
   ctj-system;
 * a moto S3 (``LocalS3``) for the jobs' checkpoint settings;
-* J jobs of 1 replica (min = max = 1) whose trainer only sleeps; each pod still runs the
-  checkpoint sidecar, which renews its rank's Lease every 2 s on the pods' service account
-  (``system:serviceaccount:<namespace>:default``): counted apart, per rank;
+* J jobs of ``--replicas`` pods (min = max, 1 by default) whose trainer only sleeps; each
+  pod still runs the checkpoint sidecar, which the operator asks for a heartbeat every
+  second (no API request: the target is at most 1 liveness write per pod per minute).
+  Whatever the pods send on their service account (``system:serviceaccount:<namespace>:
+  default``) is counted apart, per rank (it was a Lease patch every 2 s before the
+  operator asked the sidecars);
 * once every job is Running at attempt 1 with its pod Running, ``--settle`` seconds, then
   a window of ``--minutes``: the requests the API server received in it, by user, verb and
   resource (``ctj_devcluster.audit.count``: a watch counts once per watch opened). After
@@ -97,6 +100,8 @@ class Row:
     sidecars: dict[str, int]
     operator_cpu_s: float
     ready_after_s: float
+    replicas: int = 1
+    """Pods per job."""
     restarts_before: int = 0
     """Attempts ended before the window (all causes): the start was not clean."""
     restarted_jobs: list[str] = field(default_factory=list)
@@ -131,7 +136,7 @@ class Row:
         return self.other_per_min() / self.jobs
 
     def sidecar_per_rank_min(self) -> float:
-        return sum(self.sidecars.values()) / self.minutes / self.jobs
+        return sum(self.sidecars.values()) / self.minutes / (self.jobs * self.replicas)
 
     def top(self, n: int = 4) -> str:
         """The most frequent requests besides the leader Lease's, per minute."""
@@ -208,15 +213,16 @@ def _job_states(cluster: Cluster) -> dict[str, dict[str, Any]]:
         GROUP, VERSION, JOB_NS, PLURAL
     )["items"]
     pods = client.CoreV1Api(api).list_namespaced_pod(JOB_NS).items
-    phases = {}
+    phases: dict[tuple[str, str], set[str]] = {}
     for pod in pods:
         labels = pod.metadata.labels or {}
         key = (labels.get(f"{GROUP}/job-name", ""), labels.get(f"{GROUP}/attempt", ""))
-        phases[key] = pod.status.phase or ""
+        phases.setdefault(key, set()).add(pod.status.phase or "")
     states = {}
     for job in jobs:
         name, st = job["metadata"]["name"], dict(job.get("status") or {})
-        st["podPhase"] = phases.get((name, str(st.get("attempt"))), "")
+        found = phases.get((name, str(st.get("attempt"))), set())
+        st["podPhase"] = found.pop() if len(found) == 1 else ",".join(sorted(found))
         states[name] = st
     return states
 
@@ -258,8 +264,11 @@ def _alive(operator: OperatorProcess) -> bool:
     raise OperatorExited(f"the operator exited ({operator.proc.returncode}):\n{tail}")
 
 
-def _create_jobs(cluster: Cluster, names: list[str], bucket: str, endpoint: str) -> None:
-    """Jobs of one replica whose trainer only sleeps (the sidecar runs and beats)."""
+def _create_jobs(
+    cluster: Cluster, names: list[str], bucket: str, endpoint: str, replicas: int = 1
+) -> None:
+    """Jobs of ``replicas`` pods whose trainer only sleeps (each sidecar runs and answers
+    the operator's heartbeats)."""
     custom = client.CustomObjectsApi(cluster.api_client())
     for name in names:
         manifest = job_manifest(
@@ -267,9 +276,9 @@ def _create_jobs(cluster: Cluster, names: list[str], bucket: str, endpoint: str)
             f"s3://{bucket}/jobs",
             endpoint,
             command=["sleep", "100000"],
-            replicas=1,
-            minReplicas=1,
-            maxReplicas=1,
+            replicas=replicas,
+            minReplicas=replicas,
+            maxReplicas=replicas,
         )
         custom.create_namespaced_custom_object(GROUP, VERSION, JOB_NS, PLURAL, manifest)
 
@@ -313,7 +322,9 @@ def measure(nodes: int, jobs: int, args: argparse.Namespace) -> Row:
         created = time.monotonic()
         steady = True
         for first in range(0, jobs, args.batch):
-            _create_jobs(cluster, names[first : first + args.batch], bucket, s3.endpoint)
+            _create_jobs(
+                cluster, names[first : first + args.batch], bucket, s3.endpoint, args.replicas
+            )
             made = min(jobs, first + args.batch)
             log(f"{made}/{jobs} jobs created; waiting until each runs with its pod Running")
             try:
@@ -331,7 +342,7 @@ def measure(nodes: int, jobs: int, args: argparse.Namespace) -> Row:
             log(f"all Running after {ready_after:.0f}s; settling {args.settle:g}s")
             time.sleep(args.settle)
         else:  # count the requests of what it does instead: a figure too
-            _create_jobs(cluster, names[made:], bucket, s3.endpoint)
+            _create_jobs(cluster, names[made:], bucket, s3.endpoint, args.replicas)
         before = _job_states(cluster)
         since = dt.datetime.now(dt.UTC)
         cpu0 = _cpu_seconds(operator.proc.pid)
@@ -364,6 +375,7 @@ def measure(nodes: int, jobs: int, args: argparse.Namespace) -> Row:
         return Row(
             nodes=nodes,
             jobs=jobs,
+            replicas=args.replicas,
             window_s=(until - since).total_seconds(),
             operator=_keyed(ours),
             operator_by_agent={a: c for a, c in by_agent.items() if c},
@@ -482,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=_ints, default=[2, 4], help="comma-separated (2,4)")
     parser.add_argument("--jobs", type=_ints, default=[5, 20], help="comma-separated (5,20)")
+    parser.add_argument("--replicas", type=int, default=1, help="pods per job (1)")
     parser.add_argument("--minutes", type=float, default=1.0, help="measured window (1)")
     parser.add_argument("--settle", type=float, default=30.0, help="seconds before it (30)")
     parser.add_argument(
