@@ -32,9 +32,7 @@ class CountingS3(S3Store):
         super().__init__(Location.parse(uri), S3Settings.from_env())
         self.ranges: list[tuple[int, int]] = []
 
-    def get_into(
-        self, key: str, into: Sequence[memoryview], *, byte_range: tuple[int, int]
-    ) -> int:
+    def get_into(self, key: str, into: Sequence[memoryview], *, byte_range: tuple[int, int]) -> int:
         self.ranges.append(byte_range)
         return super().get_into(key, into, byte_range=byte_range)
 
