@@ -125,6 +125,11 @@ class Lifecycle:
         self.attempt = int(st["attempt"])
         return st, restored, first
 
+    def _restart_counts(self) -> tuple[int, int]:
+        """(status.nodeRestarts, status.restarts) now."""
+        st = self.cluster.status(self.namespace, self.name)
+        return int(st.get("nodeRestarts", 0)), int(st.get("restarts", 0))
+
     def _recovery_since(self, failed_at: float) -> dict[str, Any]:
         """The job's status.lastRecovery of a failure caused at ``failed_at`` (the operator
         writes it once every rank of the next attempt runs)."""
@@ -175,6 +180,7 @@ class Lifecycle:
         victim = c.victim(ns, name, self.attempt)
         node = c.node_of(victim)
         committed_before = self._last_committed()
+        counts = self._restart_counts()
         before = {p.metadata.name: c.trainer_events(ns, p.metadata.name) for p in pods}
         killed_at = time.time()
         c.log(f"stopping node {node} (it runs {victim.metadata.name})")
@@ -182,7 +188,10 @@ class Lifecycle:
         self.lost_node = node
 
         st, restored, first = self._resumed(2, committed_before)
-        assert (st["nodeRestarts"], st["restarts"]) == (1, 0), "a lost node is not a crash"
+        node_restarts, restarts = counts
+        assert (st["nodeRestarts"], st.get("restarts", 0)) == (node_restarts + 1, restarts), (
+            "a lost node is not a crash"
+        )
         reason = condition(st, "Restarted").get("reason")
         assert reason in ("HeartbeatLost", "NodeNotReady"), st["conditions"]
         for pod in c.attempt_pods(ns, name, self.attempt):
@@ -207,11 +216,12 @@ class Lifecycle:
         """Starts the lost node again; the job grows back to 3 (planned: not a failure).
         The status and the restored event."""
         c, ns, node = self.cluster, self.namespace, self.lost_node
+        counts = self._restart_counts()
         started = time.time()
         c.start_node(node)
         c.wait(lambda: c.node_back(node, started), f"node {node}'s kubelet back", 300)
         st, restored, _ = self._resumed(3, self._last_committed())
-        assert (st["nodeRestarts"], st["restarts"]) == (1, 0), "growing is not a failure"
+        assert self._restart_counts() == counts, "growing is not a failure"
         assert condition(st, "Restarted").get("reason") == "ScaleUp", st["conditions"]
         assert "ScaleUp" in {e.reason for e in c.events(ns, self.name)}
         return st, restored
@@ -264,8 +274,8 @@ class Lifecycle:
         (RankHung, the job's own failure) at the same size, from its last checkpoint; the
         stopped pod is deleted by force. What it saw, as a node loss's record."""
         c, ns, name = self.cluster, self.namespace, self.name
-        st0 = c.status(ns, name)
-        world, restarts = int(st0["worldSize"]), int(st0.get("restarts", 0))
+        world = int(c.status(ns, name)["worldSize"])
+        node_restarts, restarts = self._restart_counts()
         victim = c.victim(ns, name, self.attempt)
         committed_before = self._last_committed()
         stopped_at = time.time()
@@ -273,10 +283,9 @@ class Lifecycle:
         c.signal_trainer(ns, victim.metadata.name, "STOP")
         st, restored, first = self._resumed(world, committed_before)
         assert condition(st, "Restarted").get("reason") == "RankHung", st["conditions"]
-        assert (st["restarts"], st.get("nodeRestarts", 0)) == (
-            restarts + 1,
-            st0.get("nodeRestarts", 0),
-        ), "a hung rank is the job's failure, not a node's"
+        assert self._restart_counts() == (node_restarts, restarts + 1), (
+            "a hung rank is the job's failure, not a node's"
+        )
         assert not st.get("suspectNodes"), "the node of a hung trainer is not suspect"
         recovery = self._recovery_since(stopped_at)
         hang = NodeLoss(victim.spec.node_name, victim.metadata.name, stopped_at,
