@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         network_policy=_network_policy(parser, args),
     )
     op = Operator(api=Api.connect(api), config=config)
-    op.channel = HeartbeatChannel(config.job_key, op.marks.beats, trainers=op.marks.trainers)
+    op.channel = HeartbeatChannel(
+        config.job_key, op.marks.beats, trainers=op.marks.trainers, tracked=op.marks.tracked
+    )
     from prometheus_client import start_http_server
 
     start_http_server(args.metrics_port, registry=op.metrics.registry)  # a standby's too

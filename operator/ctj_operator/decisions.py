@@ -133,6 +133,9 @@ class Observation:
     beats: Mapping[int, float | None] = dataclasses.field(default_factory=dict)
     """Node rank of the current attempt -> seconds since its heartbeat last changed
     (None: it has not beaten yet)."""
+    unanswered: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    """Node rank of the current attempt that has not answered a heartbeat yet -> seconds
+    since this operator first saw it Running (judged against STARTUP_GRACE_S)."""
     trainers: Mapping[int, float] = dataclasses.field(default_factory=dict)
     """Node rank of the current attempt -> seconds its longest-silent trainer had not run,
     as its sidecar last answered (absent: no liveness pulse, e.g. still importing)."""
@@ -305,6 +308,14 @@ class Ending:
     stuck: tuple[str, ...] = ()  # pods that cannot stop when asked (a stopped trainer): forced
 
 
+STARTUP_GRACE_S = 10.0
+"""How long a Running rank that has not answered a heartbeat yet is given (or the timeout,
+if longer): its sidecar may still be starting on a busy node (measured: 20 sidecars
+starting on 2 cores took more than 3 s to answer), and every rank is unanswered to an
+operator that has just started or been elected. A rank that has answered is judged
+against the timeout from its last answer."""
+
+
 def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
     """Why the running attempt is over; None while it is healthy (or only being drained)."""
     spec, state, now = obs.spec, obs.state, obs.now
@@ -351,12 +362,21 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
     if obs.controller_failure:
         return Ending("PyTorchJobFailed", obs.controller_failure, Cause.CRASH)
     timeout = spec.detection.heartbeat_timeout_seconds
+    grace = max(STARTUP_GRACE_S, timeout)
     for p in ranked:
-        silent = obs.beats.get(p.node_rank)
-        if p.beating and silent is not None and silent > timeout:
+        silent, waited = obs.beats.get(p.node_rank), obs.unanswered.get(p.node_rank)
+        if not p.beating:
+            continue
+        if silent is not None and silent > timeout:
             msg = (
                 f"rank {p.node_rank} (pod {p.name} on {p.node_name}) sent no heartbeat for "
                 f"{silent:.0f}s (failureDetection.heartbeatTimeoutSeconds={timeout:g})"
+            )
+            return Ending("HeartbeatLost", msg, Cause.NODE, (p.node_name or "",))
+        if silent is None and waited is not None and waited > grace:
+            msg = (
+                f"rank {p.node_rank} (pod {p.name} on {p.node_name}) has answered no "
+                f"heartbeat in the {waited:.0f}s since it was seen Running"
             )
             return Ending("HeartbeatLost", msg, Cause.NODE, (p.node_name or "",))
     for p in ranked:

@@ -91,6 +91,7 @@ async def pod_gone(
         op = _operator(memo)
         op.marks.phases.drop((namespace, name))
         op.marks.beats.drop((namespace, name))
+        op.marks.tracked.drop((namespace, name))
         if op.channel is not None and namespace is not None:
             op.channel.untrack(namespace, name)
 

@@ -13,9 +13,10 @@ committed checkpoint; every reply says how long the pod's trainers have not run
 (``Marks.trainers``, judged as ``RankHung``: a stopped trainer behind a live sidecar).
 
 No API request per beat, and pods need no Kubernetes credentials: the trainer_sidecar
-heartbeat module's docstring says why. A rank first seen Running counts as just
-answered, so a freshly started (or newly elected) operator gives every rank one whole
-timeout before judging it.
+heartbeat module's docstring says why. A rank this process has not heard from yet (its
+sidecar still starting on a busy node, or any rank after this operator started or was
+elected) is judged from when it was first seen Running (``Marks.tracked``) against the
+longer startup grace (decisions.STARTUP_GRACE_S), not the timeout.
 """
 
 from __future__ import annotations
@@ -130,12 +131,15 @@ class HeartbeatChannel:
         beats: Freshness,
         *,
         trainers: dict[tuple[str, str], float] | None = None,
+        tracked: Freshness | None = None,
         port: int = METRICS_PORT,
     ) -> None:
         self._key = key
         self.clock = LoopClock()
         self.beats = beats
-        beats.clock = self.clock  # the ranks' silence excludes this process's own stalls
+        self.tracked = Freshness() if tracked is None else tracked
+        for marks in (beats, self.tracked):  # silences exclude this process's own stalls
+            marks.clock = self.clock
         self.trainers: dict[tuple[str, str], float] = {} if trainers is None else trainers
         self.port = port
         self.ranks: dict[tuple[str, str], Rank] = {}
@@ -160,7 +164,7 @@ class HeartbeatChannel:
         rank = Rank((namespace, job), summary["name"], ip, summary["attempt"], summary["rank"])
         if self.ranks.get(key) != rank:
             self.ranks[key] = rank
-            self.beats.see(key, ("tracked", ip))  # one whole timeout from now to answer
+            self.tracked.see(key, ip)  # unanswered since: judged against the startup grace
             self._due[key] = 0.0
 
     def untrack(self, namespace: str, pod: str) -> None:
@@ -168,6 +172,7 @@ class HeartbeatChannel:
         self.ranks.pop(key, None)
         self._due.pop(key, None)
         self.trainers.pop(key, None)
+        self.tracked.drop(key)
 
     def want(self, job: JobKey, ask: JobAsk) -> None:
         self.jobs[job] = ask

@@ -185,6 +185,8 @@ class Marks:
 
     beats: Freshness = dataclasses.field(default_factory=Freshness)
     """(namespace, pod) -> a rank's last heartbeat answer (heartbeats.py)."""
+    tracked: Freshness = dataclasses.field(default_factory=Freshness)
+    """(namespace, pod) -> when the heartbeat channel first saw it Running (its IP)."""
     kubelets: Freshness = dataclasses.field(default_factory=Freshness)
     """node -> its kubelet's Lease renewTime (kube-node-lease)."""
     phases: Freshness = dataclasses.field(default_factory=Freshness)
@@ -253,6 +255,13 @@ def observe(
             p.node_rank: marks.beats.silent_for((namespace, p.name))
             for p in pods
             if p.attempt == state.attempt
+        },
+        unanswered={
+            p.node_rank: waited
+            for p in pods
+            if p.attempt == state.attempt
+            and marks.beats.silent_for((namespace, p.name)) is None
+            and (waited := marks.tracked.silent_for((namespace, p.name))) is not None
         },
         trainers={
             p.node_rank: silent

@@ -78,6 +78,7 @@ def observe(
     fits: list[str] | None = None,
     beats: dict[int, float | None] | None = None,
     trainers: dict[int, float] | None = None,
+    unanswered: dict[int, float] | None = None,
     last_checkpoint: dict[str, Any] | None = None,
     controller_failure: str = "",
     refused: str = "",
@@ -91,6 +92,7 @@ def observe(
         fits=usable if fits is None else fits,
         beats=beats or {},
         trainers=trainers or {},
+        unanswered=unanswered or {},
         last_checkpoint=last_checkpoint,
         uri="s3://b/p/ns/job-uid",
         now=now,
@@ -365,6 +367,21 @@ def test_trainer_silences_that_do_not_end_an_attempt(
     assert (
         what(decide(observe(RUNNING3, the_pods, nodes(3), 1.0, beats=beats, trainers=trainers)))
         == "wait"
+    )
+
+
+def test_a_rank_not_heard_yet_has_the_startup_grace_not_the_timeout() -> None:
+    """Running for 8 s, never answered (its sidecar still starting among 20 on a busy
+    node, or this operator just started): not lost yet; past the grace, lost."""
+    beats: dict[int, float | None] = {0: 0.5, 1: None, 2: 0.5}
+    starting = observe(RUNNING3, pods(3), nodes(3), 10.0, beats=beats, unanswered={1: 8.0})
+    assert what(decide(starting)) == "wait"
+    late = observe(RUNNING3, pods(3), nodes(3), 10.0, beats=beats, unanswered={1: 10.5})
+    plan = decide(late)
+    assert what(plan) == "restart HeartbeatLost node"
+    assert (
+        "has answered no heartbeat in the 10s since it was seen Running"
+        in condition(plan.status(), "Restarted")["message"]
     )
 
 

@@ -163,8 +163,8 @@ def test_the_channel_asks_a_sidecar_and_marks_its_beat(tmp_path: Path) -> None:
     channel.track("ml", "demo", {"name": "demo-a2-0", "phase": "Running", "ip": host,
                                  "attempt": 2, "rank": 0})  # fmt: skip
     key = ("ml", "demo-a2-0")
-    first_seen = channel.beats.silent_for(key)
-    assert first_seen is not None, "a rank first seen Running counts as just heard"
+    assert channel.beats.silent_for(key) is None, "not heard yet: no beat"
+    assert channel.tracked.silent_for(key) is not None, "first seen Running: tracked since"
     job = JobAsk(uid="u-1", attempt=2, ended=False, request="2-NodeDrained-5", period_s=1.0)
     stale = Rank(("ml", "demo"), "demo-a2-0", host, 1, 0)  # as if the IP were reused
 
@@ -244,7 +244,8 @@ def test_the_operators_own_stall_is_not_held_against_the_ranks() -> None:
 
 def test_an_unanswered_rank_goes_silent_from_when_it_was_first_seen() -> None:
     """Nothing listens at the rank's address (its node is gone): no beat is marked, so the
-    decisions see it silent since it was tracked, and judge it after the timeout."""
+    decisions see it unanswered since it was tracked, and judge it after the startup
+    grace (a rank that answered before is judged after the timeout from that answer)."""
     channel = HeartbeatChannel(b"k" * 32, Freshness(), port=9)  # discard: nothing answers
     channel.track("ml", "demo", {"name": "p", "phase": "Running", "ip": "127.0.0.1",
                                  "attempt": 1, "rank": 0})  # fmt: skip
@@ -254,9 +255,11 @@ def test_an_unanswered_rank_goes_silent_from_when_it_was_first_seen() -> None:
     async def run() -> bool:
         return await channel.ask(key, channel.ranks[key], job)
 
-    before = channel.beats.changed_at(key)
     assert not asyncio.run(run())
-    assert channel.beats.changed_at(key) == before
+    assert channel.beats.changed_at(key) is None
+    assert channel.tracked.changed_at(key) is not None
+    channel.untrack("ml", "p")
+    assert channel.tracked.changed_at(key) is None
 
 
 def test_an_older_attempt_is_told_it_ended_and_gets_no_request() -> None:
