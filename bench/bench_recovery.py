@@ -98,10 +98,6 @@ def _wait(what: str, timeout: float, check: Callable[[], T | None], interval: fl
         time.sleep(interval)
 
 
-def _iso_to_epoch(text: str) -> float:
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
 @dataclass
 class Round:
     index: int
@@ -227,7 +223,7 @@ def measure_round(cluster: Cluster, index: int, args: argparse.Namespace) -> Rou
     pods_running: dict[int, float] = {}
     trainer_started: dict[int, float] = {}
     placed: dict[int, list[str]] = {}
-    ended: dict[str, str] = {}  # the Restarted condition's time -> its reason
+    ended: dict[str, str] = {}  # status.teardownSince of each attempt ended -> its reason
     restored: dict[str, Any] | None = None
     first_step: dict[str, Any] | None = None
     current = attempt
@@ -239,12 +235,9 @@ def measure_round(cluster: Cluster, index: int, args: argparse.Namespace) -> Rou
         current = int(st.get("attempt") or 0)
         if teardown_since is None and st.get("teardownSince") is not None:
             teardown_since = float(st["teardownSince"])
-        for c in st.get("conditions") or []:
-            if (
-                c.get("type") == "Restarted"
-                and _iso_to_epoch(c["lastTransitionTime"]) >= killed - 1
-            ):
-                ended[c["lastTransitionTime"]] = c.get("reason", "")
+        if st.get("teardownSince") is not None:  # set anew each time an attempt ends
+            why = [c for c in st.get("conditions") or [] if c.get("type") == "Restarted"]
+            ended[str(st["teardownSince"])] = why[0].get("reason", "") if why else ""
         if current > attempt and current not in created and st.get("attemptStarted"):
             created[current] = float(st["attemptStarted"])
         if current in created and current not in pods_running:
