@@ -84,6 +84,21 @@ install_network_policy() {
   done
 }
 
+# pin_dns: CoreDNS on the control plane, where kind first places it, whatever reschedules
+# it (the e2e tier's health test scales it to 0 and back): a worker that a test stops must
+# not take half the cluster's DNS with it. Its Service keeps a lost node's replica as an
+# endpoint until the node-monitor grace (40-50 s) ends, and every lookup sent there times
+# out: measured, the sidecars' start and the ranks' rendezvous after a node loss took
+# 21-42 s longer. A no-op once pinned; retried while the API server is not answering yet.
+pin_dns() {
+  local patch='{"spec":{"template":{"spec":{"nodeSelector":{"node-role.kubernetes.io/control-plane":""}}}}}'
+  local deadline=$(( $(date +%s) + 90 ))
+  until kubectl -n kube-system patch deployment coredns --request-timeout=10s -p "$patch" >/dev/null; do
+    (( $(date +%s) < deadline )) || die "could not pin CoreDNS to the control plane"
+    sleep 2
+  done
+}
+
 cluster_exists() { "$KIND" get clusters 2>/dev/null | grep -qx "$cluster"; }
 
 # healthy: every node Ready, CoreDNS and the route agent ready (prints what is missing)
@@ -245,6 +260,7 @@ cmd_up() {
       done
     fi
     install_network_policy
+    pin_dns
     if wait_healthy "${CTJ_KIND_WAIT_EXISTING:-180}"; then
       echo "KUBECONFIG=$kubeconfig"; return 0
     fi
@@ -253,6 +269,7 @@ cmd_up() {
   fi
   create
   install_network_policy
+  pin_dns
   wait_healthy "${CTJ_KIND_WAIT:-300}" || die "cluster $cluster did not become healthy ($0 status)"
   # images loaded into the store by earlier `load`s are in every node already (cloned)
   log "up in $(( $(date +%s) - t_start ))s"
