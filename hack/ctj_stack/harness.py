@@ -235,6 +235,14 @@ class Harness(ABC):
         names = self.kubectl("api-resources", "--api-group=kubeflow.org", "-o", "name")
         return "pytorchjobs.kubeflow.org" in names.split()
 
+    def trainer_container(self, namespace: str, pod: str) -> tuple[str, str]:
+        """(node, container ID) of the pod's running trainer container."""
+        found = self.core.read_namespaced_pod(pod, namespace)
+        ids = [c.container_id for c in found.status.container_statuses or [] if c.name == "trainer"]
+        if not ids or not ids[0]:
+            raise RuntimeError(f"{pod} has no trainer container running")
+        return str(found.spec.node_name), str(ids[0])
+
     # --- nodes ----------------------------------------------------------------------
 
     def node_of(self, pod: Any) -> str:

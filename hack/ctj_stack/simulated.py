@@ -50,11 +50,11 @@ class SimulatedStack(Harness):
     def start_node(self, node: str) -> None:
         self.cluster.restart_node(node)
 
+    def trainer_group(self, namespace: str, pod: str) -> int:
+        """The process group of the pod's trainer container: the local cluster runs each
+        container as a group and names its leader's pid in the container ID
+        (``ctj://<node>/<pid>``)."""
+        return int(self.trainer_container(namespace, pod)[1].rsplit("/", 1)[1])
+
     def signal_trainer(self, namespace: str, pod: str, signal: str) -> None:
-        """The local cluster runs each container as a process group and names its leader's
-        pid in the container ID (``ctj://<node>/<pid>``)."""
-        found = self.core.read_namespaced_pod(pod, namespace)
-        ids = [c.container_id for c in found.status.container_statuses or [] if c.name == "trainer"]
-        if not ids or not ids[0]:
-            raise RuntimeError(f"{pod} has no trainer container running")
-        os.killpg(int(ids[0].rsplit("/", 1)[1]), getattr(signal_module, f"SIG{signal}"))
+        os.killpg(self.trainer_group(namespace, pod), getattr(signal_module, f"SIG{signal}"))

@@ -381,14 +381,11 @@ class Stack(Harness):
         """On the pod's node: the trainer container's main process, by its container ID
         (crictl), gets ``signal`` (a SIGSTOP from the node's PID namespace reaches it; from
         inside its own container it would not, being its PID 1)."""
-        found = self.core.read_namespaced_pod(pod, namespace)
-        ids = [c.container_id for c in found.status.container_statuses or [] if c.name == "trainer"]
-        if not ids or not ids[0]:
-            raise RuntimeError(f"{pod} has no trainer container running")
-        container = ids[0].split("://", 1)[-1]
+        node, container = self.trainer_container(namespace, pod)
+        container = container.split("://", 1)[-1]
         pid = f"$(crictl inspect --output go-template --template '{{{{.info.pid}}}}' {container})"
         script = f'kill -s {shlex.quote(signal)} "{pid}"'
-        self._node_control().run_on(found.spec.node_name, "sh", "-c", script)
+        self._node_control().run_on(node, "sh", "-c", script)
 
     def reserved_nodes(self) -> set[str]:
         """Nodes that run the operator, the S3 server or Kubeflow's controller (not the

@@ -244,6 +244,8 @@ def observe(
     failure = ""
     if spec.backend == Backend.PYTORCHJOB and state.attempt and state.pods_created:
         failure = _pytorchjob_failure(key, state.attempt, indexes.pytorchjobs, read_pytorchjob)
+    current = [p for p in pods if p.attempt == state.attempt]
+    beats = {p.node_rank: marks.beats.silent_for((namespace, p.name)) for p in current}
     used = _used_by_others(indexes, key)  # what other jobs' pods hold on each node
     fit = capacity.fitting_nodes_with(rank_footprint(spec), nodes, used)
     return Observation(
@@ -251,23 +253,17 @@ def observe(
         state=state,
         pods=pods,
         nodes=nodes_seen,
-        beats={
-            p.node_rank: marks.beats.silent_for((namespace, p.name))
-            for p in pods
-            if p.attempt == state.attempt
-        },
+        beats=beats,
         unanswered={
             p.node_rank: waited
-            for p in pods
-            if p.attempt == state.attempt
-            and marks.beats.silent_for((namespace, p.name)) is None
+            for p in current
+            if beats[p.node_rank] is None
             and (waited := marks.tracked.silent_for((namespace, p.name))) is not None
         },
         trainers={
             p.node_rank: silent
-            for p in pods
-            if p.attempt == state.attempt
-            and (silent := marks.trainers.get((namespace, p.name))) is not None
+            for p in current
+            if (silent := marks.trainers.get((namespace, p.name))) is not None
         },
         last_checkpoint=last_checkpoint,
         uri=uri,

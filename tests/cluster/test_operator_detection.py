@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from ctj_devcluster import Cluster
 from ctj_stack.jobs import FAST_TRAINING, NewJob, running, status, trainer_events, wait_for
-from kubernetes import client
+from ctj_stack.simulated import SimulatedStack
 
 pytestmark = pytest.mark.cluster
 
@@ -23,14 +23,9 @@ PERIOD_S = 1.0
 RECONCILE_S = 1.0  # the operator's reconcile timer
 
 
-def trainer_group(cluster: Cluster, namespace: str, pod: str) -> int:
-    """The process group of the pod's trainer container (the local cluster runs each
-    container as its own group and says its pid in the container ID)."""
-    core = client.CoreV1Api(cluster.api_client())
-    found = core.read_namespaced_pod(pod, namespace)
-    ids = [c.container_id for c in found.status.container_statuses or [] if c.name == "trainer"]
-    assert ids and ids[0], f"{pod} has no trainer container running"
-    return int(ids[0].rsplit("/", 1)[1])
+@pytest.fixture
+def sim(op_cluster: Cluster, s3_uri: str, s3_env: dict[str, str]) -> SimulatedStack:
+    return SimulatedStack(op_cluster, s3_uri, s3_env["AWS_ENDPOINT_URL"])
 
 
 @pytest.fixture
@@ -60,12 +55,16 @@ def training(cluster: Cluster, namespace: str, name: str) -> int:
 
 
 def test_a_stopped_trainer_is_a_hung_rank_within_the_timeout(
-    op_cluster: Cluster, job_namespace: str, new_job: NewJob, stopped: list[int]
+    op_cluster: Cluster,
+    job_namespace: str,
+    new_job: NewJob,
+    stopped: list[int],
+    sim: SimulatedStack,
 ) -> None:
     ns, name = job_namespace, "hung"
     new_job(name, env=FAST_TRAINING, restartPolicy={"maxRestarts": 5, "backoffSeconds": 0.5})
     training(op_cluster, ns, name)
-    group = trainer_group(op_cluster, ns, f"{name}-a1-1")
+    group = sim.trainer_group(ns, f"{name}-a1-1")
     stopped.append(group)
     os.killpg(group, signal.SIGSTOP)
     began = time.monotonic()
@@ -88,13 +87,17 @@ def test_a_stopped_trainer_is_a_hung_rank_within_the_timeout(
 
 
 def test_a_trainer_stopped_for_less_than_the_timeout_keeps_its_attempt(
-    op_cluster: Cluster, job_namespace: str, new_job: NewJob, stopped: list[int]
+    op_cluster: Cluster,
+    job_namespace: str,
+    new_job: NewJob,
+    stopped: list[int],
+    sim: SimulatedStack,
 ) -> None:
     """A pause (a long GC, a stalled disk) resumed inside the timeout is not a failure."""
     ns, name = job_namespace, "paused"
     new_job(name, env=FAST_TRAINING)
     before = training(op_cluster, ns, name)
-    group = trainer_group(op_cluster, ns, f"{name}-a1-1")
+    group = sim.trainer_group(ns, f"{name}-a1-1")
     stopped.append(group)
     os.killpg(group, signal.SIGSTOP)
     time.sleep(TIMEOUT_S / 2)  # the fault itself: a pause of half the timeout
