@@ -20,6 +20,9 @@ import time
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
+from .env import Env as Env  # re-exported: every CTJ_* name
+from .launch import Assignment
+
 # -- the API group and the resource ------------------------------------------------------
 
 GROUP = "training.ctj.dev"
@@ -69,57 +72,6 @@ LABEL_JOB = f"{GROUP}/job-name"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
 LABEL_RANK = f"{GROUP}/node-rank"
 LABEL_WORLD = f"{GROUP}/world-size"
-
-
-# -- environment variables the operator sets in the pods ----------------------------------
-
-
-class Env:
-    """The ``CTJ_*`` (and AWS's, and torch's) variables the operator sets in a rank's
-    containers, by what they carry. Plain strings: they go into objects sent as JSON."""
-
-    # where and how to save (trainer and sidecar)
-    CHECKPOINT_URI = "CTJ_CHECKPOINT_URI"
-    CHECKPOINT_MODE = "CTJ_CHECKPOINT_MODE"
-    CHECKPOINT_FULL_EVERY = "CTJ_CHECKPOINT_FULL_EVERY"
-    CHECKPOINT_KEEP_LAST = "CTJ_CHECKPOINT_KEEP_LAST"
-    STAGING_DIR = "CTJ_STAGING_DIR"
-    SIDECAR = "CTJ_SIDECAR"
-    """"1": a sidecar process persists what the trainer stages."""
-    RESUME_FROM = "CTJ_RESUME_FROM"
-    """A job with no committed checkpoint of its own is seeded from the newest committed one
-    here (spec.checkpoint.resumeFrom), read-only: a checkpoint location URI; or, with
-    ``RESUME_FROM_JOB``, the directory that holds a job's locations (``<uri>/<namespace>``)."""
-    RESUME_FROM_JOB = "CTJ_RESUME_FROM_JOB"
-    """spec.checkpoint.resumeFrom named a job: its locations are ``RESUME_FROM/<name>-<uid>``
-    (every uid the name had); the trainer seeds from the newest commit among them."""
-    S3_ENDPOINT = "AWS_ENDPOINT_URL"
-    S3_ACCESS_KEY = "AWS_ACCESS_KEY_ID"
-    S3_SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
-    # the trainer
-    SAVE_EVERY = "CTJ_SAVE_EVERY"
-    ATTEMPT = "CTJ_ATTEMPT"
-    """Part of every save's identity: nothing an older attempt left can enter a commit."""
-    NODE_RANK = "NODE_RANK"
-    # the sidecar
-    METRICS_HOST = "CTJ_METRICS_HOST"
-    # the node-local chunk cache and its peers
-    CACHE_PEERS = "CTJ_CACHE_PEERS"
-    """host:port of every pod's cache server, in node-rank order, comma-separated."""
-    CACHE_TOKEN = "CTJ_CACHE_TOKEN"
-    """The job's token (``ctj_contract.tokens``): its peers', its node agents' and the
-    operator's heartbeat requests carry it. Set in every rank's sidecar, from the job's
-    Secret."""
-    CACHE_PORT = "CTJ_CACHE_PORT"
-    # the node agent (a DaemonSet) that holds the node's cache: training pods have no hostPath
-    NODE_AGENT_HOST = "CTJ_NODE_AGENT_HOST"
-    """The node's address (the downward API's status.hostIP): the agent's hostPort is there."""
-    NODE_AGENT_PORT = "CTJ_NODE_AGENT_PORT"
-    JOB_NAMESPACE = "CTJ_JOB_NAMESPACE"
-    JOB_NAME = "CTJ_JOB_NAME"
-    JOB_UID = "CTJ_JOB_UID"
-    """The job's identity: its path on the node agents, and what its token derives from
-    (``ctj_contract.tokens``)."""
 
 
 NODE_AGENT_PORT = 9403
@@ -194,18 +146,25 @@ def _optional_str(found: Mapping[str, Any], key: str, what: str) -> str | None:
 class HeartbeatAsk:
     """What the operator says with each beat: the job's attempt as its status has it,
     whether the pod's attempt is over (the sidecar stops waiting for other ranks' parts:
-    they are being torn down), and the checkpoint request, if any (an opaque id: a new one
-    asks the trainer to save at its next step boundary and stop, docs/operator.md)."""
+    they are being torn down), the checkpoint request, if any (an opaque id: a new one
+    asks the trainer to save at its next step boundary and stop, docs/operator.md), and
+    the pod's place in the current attempt (``Assignment``, ``ctj_contract.launch``): one
+    newer than the sidecar's restarts the pod's worker in place."""
 
     attempt: int
     ended: bool = False
     checkpoint_request: str | None = None
+    assignment: Assignment | None = None
 
     def encode(self) -> bytes:
-        return json.dumps(
-            {"attempt": self.attempt, "ended": self.ended, "request": self.checkpoint_request},
-            separators=(",", ":"),
-        ).encode()
+        body: dict[str, Any] = {
+            "attempt": self.attempt,
+            "ended": self.ended,
+            "request": self.checkpoint_request,
+        }
+        if self.assignment is not None:
+            body["assignment"] = self.assignment.to_json()
+        return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> HeartbeatAsk:
@@ -216,7 +175,11 @@ class HeartbeatAsk:
             raise ValueError("heartbeat: attempt is not a non-negative integer")
         if not isinstance(ended, bool):
             raise ValueError("heartbeat: ended is not a boolean")
-        return cls(attempt, ended, _optional_str(found, "request", "heartbeat"))
+        placed = found.get("assignment")
+        assignment = None if placed is None else Assignment.from_json(placed)
+        if assignment is not None and assignment.attempt != attempt:
+            raise ValueError("heartbeat: the assignment is for another attempt")
+        return cls(attempt, ended, _optional_str(found, "request", "heartbeat"), assignment)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -227,13 +190,17 @@ class HeartbeatReply:
     ``node_rank`` None: the sidecar is not told its rank (a PyTorchJob's Worker template,
     stamped out by the Kubeflow controller). ``trainer_silent_s``: seconds since the
     pod's longest-silent trainer last ran (its liveness pulse, trainer_sidecar/liveness.py);
-    None where no trainer of the pod has a pulse (starting, finished, not using ctj)."""
+    None where no trainer of the pod has a pulse (starting, finished, not using ctj).
+    ``worker_exit``: the exit status of this attempt's worker where it ended and the pod
+    runs on under its launcher (minus the signal that killed it; ``ctj_contract.launch``),
+    None while it runs."""
 
     attempt: int
     node_rank: int | None
     request_seen: str | None = None
     last_checkpoint: str | None = None
     trainer_silent_s: float | None = None
+    worker_exit: int | None = None
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -245,6 +212,7 @@ class HeartbeatReply:
                 "trainerSilentSeconds": (
                     None if self.trainer_silent_s is None else round(self.trainer_silent_s, 3)
                 ),
+                "workerExit": self.worker_exit,
             },
             separators=(",", ":"),
         ).encode()
@@ -258,12 +226,16 @@ class HeartbeatReply:
         silent = found.get("trainerSilentSeconds")
         if silent is not None and not _seconds(silent):
             raise ValueError("heartbeat reply: trainerSilentSeconds is not a finite number >= 0")
+        code = found.get("workerExit")
+        if code is not None and (not isinstance(code, int) or isinstance(code, bool)):
+            raise ValueError("heartbeat reply: workerExit is not an integer")
         return cls(
             attempt,
             rank,
             _optional_str(found, "requestSeen", "heartbeat reply"),
             _optional_str(found, "lastCheckpoint", "heartbeat reply"),
             None if silent is None else float(silent),
+            code,
         )
 
 
