@@ -72,6 +72,9 @@ LABEL_JOB = f"{GROUP}/job-name"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
 LABEL_RANK = f"{GROUP}/node-rank"
 LABEL_WORLD = f"{GROUP}/world-size"
+LABEL_LAUNCHER = f"{GROUP}/launcher"
+"""On a pod whose trainer runs under the ctj launcher ("true"): it can be kept across an
+unplanned restart, its worker restarted in place (``ctj_contract.launch``)."""
 
 
 NODE_AGENT_PORT = 9403

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal as signal_module
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ctj_devcluster import Cluster
@@ -50,11 +51,25 @@ class SimulatedStack(Harness):
     def start_node(self, node: str) -> None:
         self.cluster.restart_node(node)
 
-    def trainer_group(self, namespace: str, pod: str) -> int:
-        """The process group of the pod's trainer container: the local cluster runs each
+    def trainer_groups(self, namespace: str, pod: str) -> list[int]:
+        """The process groups of the pod's trainer container: the local cluster runs each
         container as a group and names its leader's pid in the container ID
-        (``ctj://<node>/<pid>``)."""
-        return int(self.trainer_container(namespace, pod)[1].rsplit("/", 1)[1])
+        (``ctj://<node>/<pid>``); under the ctj launcher the worker runs in a group of its
+        own, the leader's child."""
+        leader = int(self.trainer_container(namespace, pod)[1].rsplit("/", 1)[1])
+        return [*child_pids(leader), leader]
 
     def signal_trainer(self, namespace: str, pod: str, signal: str) -> None:
-        os.killpg(self.trainer_group(namespace, pod), getattr(signal_module, f"SIG{signal}"))
+        for group in self.trainer_groups(namespace, pod):
+            os.killpg(group, getattr(signal_module, f"SIG{signal}"))
+
+
+def child_pids(pid: int) -> list[int]:
+    """The children of ``pid`` (Linux's /proc/<pid>/task/<tid>/children)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # the task ended meanwhile
+            continue
+    return found

@@ -379,12 +379,17 @@ class Stack(Harness):
 
     def signal_trainer(self, namespace: str, pod: str, signal: str) -> None:
         """On the pod's node: the trainer container's main process, by its container ID
-        (crictl), gets ``signal`` (a SIGSTOP from the node's PID namespace reaches it; from
-        inside its own container it would not, being its PID 1)."""
+        (crictl), and the process group of each of its children (under the ctj launcher,
+        the worker's) get ``signal`` (a SIGSTOP from the node's PID namespace reaches them;
+        from inside the container it would not reach its PID 1)."""
         node, container = self.trainer_container(namespace, pod)
         container = container.split("://", 1)[-1]
         pid = f"$(crictl inspect --output go-template --template '{{{{.info.pid}}}}' {container})"
-        script = f'kill -s {shlex.quote(signal)} "{pid}"'
+        sig = shlex.quote(signal)
+        script = (
+            f'p="{pid}"; for c in $(cat /proc/$p/task/*/children); do kill -s {sig} -- "-$c"; '
+            f'done; kill -s {sig} "$p"'
+        )
         self._node_control().run_on(node, "sh", "-c", script)
 
     def reserved_nodes(self) -> set[str]:

@@ -148,8 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         network_policy=_network_policy(parser, args),
     )
     op = Operator(api=Api.connect(api), config=config)
+    marks = op.marks
     op.channel = HeartbeatChannel(
-        config.job_key, op.marks.beats, trainers=op.marks.trainers, tracked=op.marks.tracked
+        config.job_key,
+        marks.beats,
+        trainers=marks.trainers,
+        tracked=marks.tracked,
+        workers=marks.workers,
     )
     from prometheus_client import start_http_server
 

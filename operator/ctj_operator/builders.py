@@ -10,7 +10,7 @@ staging volume they share. Credentials only ever travel as secretKeyRefs.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ctj_contract import (
@@ -19,11 +19,14 @@ from ctj_contract import (
     KIND,
     LABEL_ATTEMPT,
     LABEL_JOB,
+    LABEL_LAUNCHER,
     LABEL_RANK,
     LABEL_WORLD,
     VERSION,
+    Assignment,
     Env,
 )
+from ctj_contract.launch import LAUNCHER_MODULE
 
 from .spec import Backend, JobSpec, resume_source
 
@@ -366,6 +369,18 @@ def _avoid_nodes(pod_spec: dict[str, Any], nodes: tuple[str, ...]) -> None:
         term.setdefault("matchFields", []).append(dict(avoid))
 
 
+def master_addr(job: str, rank0_pod: str) -> str:
+    """The rendezvous host: node rank 0's pod, by its DNS name under the job's Service."""
+    return f"{rank0_pod}.{job}"
+
+
+def _launched(trainer: dict[str, Any]) -> None:
+    """The trainer's command run under the ctj launcher (``ctj_contract.launch``), which
+    keeps the pod up between attempts and restarts the command in place."""
+    command = list(trainer["command"]) + list(trainer.pop("args", None) or [])
+    trainer["command"] = ["python", "-m", LAUNCHER_MODULE, "--", *command]
+
+
 def build_pod(
     body: dict[str, Any],
     spec: JobSpec,
@@ -375,26 +390,27 @@ def build_pod(
     world_size: int,
     node_rank: int,
     avoid: tuple[str, ...] = (),
+    names: Sequence[str] = (),
 ) -> dict[str, Any]:
+    """Node rank ``node_rank``'s pod. ``names``: every rank's pod by node rank, where some
+    were kept from the attempt before (their names say that attempt); the rest, and all
+    where empty, are ``pod_name(job, attempt, rank)``."""
     job = body["metadata"]["name"]
-    name = pod_name(job, attempt, node_rank)
-    master = f"{pod_name(job, attempt, 0)}.{job}"
-    nproc = spec.nproc_per_node
-    torch_env = {
-        "MASTER_ADDR": master,
-        "MASTER_PORT": str(master_port(attempt)),
-        "WORLD_SIZE": str(world_size * nproc),
-        "RANK": str(node_rank * nproc),
-        Env.NODE_RANK: str(node_rank),
-        "PET_MASTER_ADDR": master,
-        "PET_MASTER_PORT": str(master_port(attempt)),
-        "PET_NNODES": str(world_size),
-        "PET_NPROC_PER_NODE": str(nproc),
-        "PET_NODE_RANK": str(node_rank),
-        Env.ATTEMPT: str(attempt),
-    }
-    pod_spec = _trainer_pod_spec(spec, uri, [{"name": k, "value": v} for k, v in torch_env.items()])
-    peers = [f"{pod_name(job, attempt, r)}.{job}:{CACHE_PORT}" for r in range(world_size)]
+    by_rank = [names[r] if r < len(names) else pod_name(job, attempt, r) for r in range(world_size)]
+    name = by_rank[node_rank]
+    place = Assignment(
+        attempt=attempt,
+        node_rank=node_rank,
+        world_size=world_size,
+        nproc_per_node=spec.nproc_per_node,
+        master_addr=master_addr(job, by_rank[0]),
+        master_port=master_port(attempt),
+    )
+    env = [{"name": k, "value": v} for k, v in place.environment().items()]
+    pod_spec = _trainer_pod_spec(spec, uri, env)
+    if spec.relaunches:
+        _launched(pod_spec["containers"][0])
+    peers = [f"{pod}.{job}:{CACHE_PORT}" for pod in by_rank]
     _node_cache(pod_spec, spec, body, peers)
     sidecar = pod_spec["initContainers"][-1]
     _merge_env(sidecar, _heartbeat_env(body, attempt, node_rank))
@@ -403,14 +419,9 @@ def build_pod(
     _place(pod_spec, job, attempt, avoid)
     template_meta = spec.template.get("metadata") or {}
     labels = dict(template_meta.get("labels") or {})
-    labels.update(
-        {
-            LABEL_JOB: job,
-            LABEL_ATTEMPT: str(attempt),
-            LABEL_RANK: str(node_rank),
-            LABEL_WORLD: str(world_size),
-        }
-    )
+    labels.update(rank_labels(job, attempt, node_rank, world_size))
+    if spec.relaunches:
+        labels[LABEL_LAUNCHER] = "true"
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -421,6 +432,17 @@ def build_pod(
             "ownerReferences": [owner_reference(body)],
         },
         "spec": pod_spec,
+    }
+
+
+def rank_labels(job: str, attempt: int, node_rank: int, world_size: int) -> dict[str, str]:
+    """What says which attempt and rank a pod holds: set at creation, and patched onto a
+    pod kept for the next attempt (its launcher restarts the worker in place)."""
+    return {
+        LABEL_JOB: job,
+        LABEL_ATTEMPT: str(attempt),
+        LABEL_RANK: str(node_rank),
+        LABEL_WORLD: str(world_size),
     }
 
 

@@ -62,6 +62,9 @@ class PodView:
     finished: bool = False
     """Its trainer ended (the kubelet is stopping its sidecar, the pod still Running): no
     longer judged by heartbeats, which stop with the sidecar."""
+    relaunchable: bool = False
+    """The pod runs, under the ctj launcher: it can be kept for the next attempt and its
+    worker restarted in place (even where its worker failed: ``phase`` then says Failed)."""
 
     @property
     def beating(self) -> bool:
@@ -106,6 +109,11 @@ class JobState:
     attempt_generation: int = 0  # the spec generation the current attempt was started from
     selector: str = ""  # the scale subresource's label selector, as written
     start_time: float | None = None  # when the operator first took the job up
+    survivors: tuple[str, ...] = ()
+    """Pods of the ended attempt kept for the next one (their workers restart in place)."""
+    carried: tuple[str, ...] = ()
+    """Pods of the current attempt kept from the one before, by node rank (0..k-1): their
+    names say the attempt that made them."""
 
     def condition(self, kind: Condition) -> Mapping[str, Any]:
         """The condition of type ``kind`` as read ({} where the job has none)."""
@@ -192,11 +200,14 @@ class PatchStatus:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CreateAttempt:
-    """Its heartbeat Leases, the Service and the pods (or the PyTorchJob)."""
+    """The Service and the pods (or the PyTorchJob): ``carried`` pods, kept from the
+    attempt before, are relabelled as node ranks 0..k-1 (their launchers restart the
+    workers in place), the others created."""
 
     attempt: int
     world_size: int
     avoid: tuple[str, ...] = ()  # suspect nodes: kept off by node affinity (they read Ready)
+    carried: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -325,6 +336,10 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
     started = state.attempt_started
     if missing and (started is None or now - started >= UNSEEN_GRACE_S):
         return Ending("PodDeleted", f"pod of node rank {missing[0]} is gone", Cause.NODE)
+    seen = {p.name for p in obs.pods}
+    for rank, name in enumerate(state.carried):  # existed before: absent is gone, not unseen
+        if rank in missing and name not in seen:
+            return Ending("PodDeleted", f"pod {name} (node rank {rank}) is gone", Cause.NODE)
     ranked = sorted(current, key=lambda p: p.node_rank)
     # the cluster's doing first: when a pod is deleted or its node lost, its peers crash
     # too (their collective breaks), and whichever rank is read first must not decide
@@ -441,9 +456,30 @@ def recovery_budget(state: JobState, now: float) -> dict[str, Any]:
 
 
 def _older(obs: Observation) -> list[Action]:
-    """Pods of attempts before the one read: never outlive a restart (safe in any view)."""
-    names = tuple(p.name for p in obs.pods if p.attempt < obs.state.attempt and not p.terminating)
+    """Pods of attempts before the one read never outlive a restart (safe in any view),
+    but for those it carries (kept for it, relabelled as it starts)."""
+    state = obs.state
+    names = tuple(
+        p.name
+        for p in obs.pods
+        if p.attempt < state.attempt and not p.terminating and p.name not in state.carried
+    )
     return [DeletePods(names)] if names else []
+
+
+def survivors(obs: Observation, current: Sequence[PodView], ending: Ending) -> tuple[str, ...]:
+    """The pods an unplanned end of the attempt keeps for the next one: running under the
+    launcher (restartPolicy.inPlace) on a node still trusted, and not stuck. A planned end
+    keeps none (its ranks stopped for good, their pods Succeeded)."""
+    if ending.cause is Cause.PLANNED or not obs.spec.relaunches:
+        return ()
+    suspect = {**obs.state.suspect, **dict.fromkeys(ending.suspect, obs.now)}
+    live = _live_nodes(obs, suspect)
+    return tuple(
+        p.name
+        for p in sorted(current, key=lambda p: p.node_rank)
+        if p.relaunchable and p.node_name in live and p.name not in ending.stuck
+    )
 
 
 def suspect_patch(old: Mapping[str, float], new: Mapping[str, float]) -> dict[str, Any]:
@@ -584,7 +620,9 @@ def _active(obs: Observation) -> Plan:
             (
                 *actions,
                 PatchStatus({}),  # sent with the resourceVersion read: fails if stale
-                CreateAttempt(state.attempt, state.world_size, tuple(sorted(state.suspect))),
+                CreateAttempt(
+                    state.attempt, state.world_size, tuple(sorted(state.suspect)), state.carried
+                ),
                 PatchStatus({"podsCreated": True}),
             )
         )
@@ -723,6 +761,7 @@ def _end_attempt(
     suspect = dict(state.suspect)
     for node in ending.suspect:
         suspect.setdefault(node, now)
+    kept = survivors(obs, current, ending)
     failure_seen = state.failure_seen_at
     if failure_seen is None and ending.cause is not Cause.PLANNED:
         failure_seen = now
@@ -740,6 +779,7 @@ def _end_attempt(
             "transition": None,
             "suspectNodes": suspect_patch(state.suspect, suspect),
             "sizeCap": ending.size_cap,
+            "survivors": list(kept) or None,
         }
     )
     restarting = phase_conditions(Phase.RESTARTING, ending.reason, ending.message, restarted=True)
@@ -750,7 +790,7 @@ def _end_attempt(
             PatchStatus(update, restarting),
             Emit(kind, ending.reason, f"restarting: {ending.message}"),
             Restarted(ending.reason, ending.cause),
-            *_teardown(obs, current, suspect, stuck=ending.stuck),
+            *_teardown(obs, current, suspect, stuck=ending.stuck, keep=kept),
             PatchStatus({"tornDown": True}),
         ),
         requeue_after=1.0,
@@ -779,13 +819,15 @@ def _teardown(
     suspect: Mapping[str, float] | None = None,
     *,
     stuck: Sequence[str] = (),
+    keep: Sequence[str] = (),
 ) -> list[Action]:
     """Delete the attempt: gracefully where a kubelet can stop the pod, by force where none
     can (its node is gone, NotReady or suspect) or where the pod cannot stop when asked
     (``stuck``: a stopped trainer ignores SIGTERM until the grace period ends); a
     force-deleted straggler cannot harm the next attempt (a fresh rendezvous port, and
-    saves fenced by attempt)."""
+    saves fenced by attempt). Pods in ``keep`` stay for the next attempt."""
     live = _live_nodes(obs, obs.state.suspect if suspect is None else suspect)
+    current = [p for p in current if p.name not in keep]
 
     def forced(p: PodView) -> bool:
         return p.node_name is not None and (p.node_name not in live or p.name in stuck)
@@ -806,13 +848,18 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
     suspect = _cleared_suspects(obs)
     if suspect != dict(state.suspect):
         update["suspectNodes"] = suspect_patch(state.suspect, suspect)
+    live = _live_nodes(obs, suspect)
+    kept = [
+        p for p in current if p.name in state.survivors and p.relaunchable and p.node_name in live
+    ]
     if state.attempt and not state.torn_down:  # the operator stopped mid-teardown
-        actions += [PatchStatus(update), *_teardown(obs, current, suspect)]
+        keep = [p.name for p in kept]
+        actions += [PatchStatus(update), *_teardown(obs, current, suspect, keep=keep)]
         actions.append(PatchStatus({"tornDown": True}))
         return Plan(tuple(actions), requeue_after=1.0)
     if update:
         actions.append(PatchStatus(update))
-    live = _live_nodes(obs, suspect)
+    current = [p for p in current if p not in kept]  # the rest go, whatever they were
     undeleted = tuple(p.name for p in current if not p.terminating)
     if undeleted:  # e.g. created just before a rejected one
         actions.append(DeletePods(undeleted))
@@ -853,7 +900,13 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
             actions.append(Emit("Warning", "InsufficientNodes", message))
         return Plan(tuple(actions), requeue_after=5.0, note="insufficient nodes")
     attempt = state.attempt + 1
+    carried = tuple(p.name for p in sorted(kept, key=lambda p: p.node_rank)[:target])
+    dropped = tuple(p.name for p in kept if p.name not in carried)
+    if dropped:  # the job shrank below its survivors (spec.replicas, or fewer nodes fit)
+        actions.append(DeletePods(dropped))
     message = f"attempt {attempt} at world size {target}"
+    if carried:
+        message += f", {len(carried)} pods kept (their workers restart in place)"
     start: dict[str, Any] = {
         **update,
         "phase": "Running",
@@ -867,6 +920,8 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
         "teardownSince": None,
         "sizeCap": None,
         "transition": None,
+        "survivors": None,
+        "carried": list(carried) or None,
     }
     # the new attempt runs the spec read: a SpecPending condition turns False
     applied = f"attempt {attempt} runs generation {obs.generation}"
@@ -883,7 +938,7 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
             *[a for a in actions if not isinstance(a, PatchStatus)],
             PatchStatus(start, started),
             Emit("Normal", "AttemptStarted", message),
-            CreateAttempt(attempt, target, tuple(sorted(suspect))),
+            CreateAttempt(attempt, target, tuple(sorted(suspect)), carried),
             PatchStatus({"podsCreated": True}),
         )
     )
@@ -935,4 +990,6 @@ def job_state(status: Mapping[str, Any]) -> JobState:
         attempt_generation=int(status.get("attemptGeneration") or 0),
         selector=str(status.get("selector") or ""),
         start_time=parse_time(status["startTime"]) if status.get("startTime") else None,
+        survivors=tuple(str(n) for n in status.get("survivors") or ()),
+        carried=tuple(str(n) for n in status.get("carried") or ()),
     )

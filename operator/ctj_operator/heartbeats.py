@@ -29,10 +29,18 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ctj_contract import HEARTBEAT_PATH, HeartbeatAsk, HeartbeatReply, LastCheckpoint, Phase
+from ctj_contract import (
+    HEARTBEAT_PATH,
+    Assignment,
+    HeartbeatAsk,
+    HeartbeatReply,
+    LastCheckpoint,
+    Phase,
+)
+from ctj_contract.launch import WorkerExit
 from ctj_contract.tokens import job_token
 
-from .builders import METRICS_PORT
+from .builders import METRICS_PORT, master_addr, master_port, pod_name
 from .decisions import JobState
 from .observe import Freshness, JobKey
 
@@ -56,6 +64,15 @@ class Rank:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Placement:
+    """What a job's pods are assigned in its current attempt (``ctj_contract.launch``)."""
+
+    world_size: int
+    nproc_per_node: int
+    master_addr: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class JobAsk:
     """What the channel says to a job's ranks (from its status), and how often."""
 
@@ -64,27 +81,55 @@ class JobAsk:
     ended: bool
     request: str | None
     period_s: float
+    placement: Placement | None = None
+    """Where the pods run the launcher: each rank's place in the attempt, so a pod kept
+    from the attempt before restarts its worker in place (None: not told)."""
 
     @classmethod
-    def of(cls, uid: str, state: JobState, period_s: float) -> JobAsk:
+    def of(
+        cls, uid: str, state: JobState, period_s: float, *, job: str = "", nproc: int = 1,
+        relaunches: bool = False,
+    ) -> JobAsk:  # fmt: skip
         """From the job's status alone (an operator that restarts says the same): the
-        attempt, whether it is over, the checkpoint request of a planned transition."""
+        attempt, whether it is over, the checkpoint request of a planned transition and,
+        where the pods run the launcher, their placement (the rendezvous is node rank 0's
+        pod: the first carried, or the one this attempt made)."""
+        ended = state.phase in (Phase.RESTARTING, Phase.SUCCEEDED, Phase.FAILED)
+        placement = None
+        if relaunches and state.attempt and state.world_size and not ended:
+            rank0 = state.carried[0] if state.carried else pod_name(job, state.attempt, 0)
+            placement = Placement(state.world_size, nproc, master_addr(job, rank0))
         return cls(
             uid=uid,
             attempt=state.attempt,
-            ended=state.phase in (Phase.RESTARTING, Phase.SUCCEEDED, Phase.FAILED),
+            ended=ended,
             request=state.transition.request_id if state.transition else None,
             period_s=period_s,
+            placement=placement,
         )
 
     def ask_for(self, rank: Rank) -> HeartbeatAsk:
         """A pod of an older attempt is told its attempt is over; only the current
-        attempt's ranks get the checkpoint request."""
+        attempt's ranks get the checkpoint request and their assignment."""
         current = rank.attempt == self.attempt
         return HeartbeatAsk(
             attempt=self.attempt,
             ended=self.ended or not current,
             checkpoint_request=self.request if current else None,
+            assignment=self._assignment(rank.node_rank) if current else None,
+        )
+
+    def _assignment(self, node_rank: int) -> Assignment | None:
+        where = self.placement
+        if where is None or not 0 <= node_rank < where.world_size:
+            return None
+        return Assignment(
+            attempt=self.attempt,
+            node_rank=node_rank,
+            world_size=where.world_size,
+            nproc_per_node=where.nproc_per_node,
+            master_addr=where.master_addr,
+            master_port=master_port(self.attempt),
         )
 
 
@@ -132,6 +177,7 @@ class HeartbeatChannel:
         *,
         trainers: dict[tuple[str, str], float] | None = None,
         tracked: Freshness | None = None,
+        workers: Freshness | None = None,
         port: int = METRICS_PORT,
     ) -> None:
         self._key = key
@@ -141,6 +187,7 @@ class HeartbeatChannel:
         for marks in (beats, self.tracked):  # silences exclude this process's own stalls
             marks.clock = self.clock
         self.trainers: dict[tuple[str, str], float] = {} if trainers is None else trainers
+        self.workers = Freshness() if workers is None else workers
         self.port = port
         self.ranks: dict[tuple[str, str], Rank] = {}
         self.jobs: dict[JobKey, JobAsk] = {}
@@ -162,7 +209,11 @@ class HeartbeatChannel:
             self.untrack(namespace, summary["name"])
             return
         rank = Rank((namespace, job), summary["name"], ip, summary["attempt"], summary["rank"])
-        if self.ranks.get(key) != rank:
+        old = self.ranks.get(key)
+        if old != rank:
+            if old is not None and old.attempt != rank.attempt:  # kept for the next attempt:
+                self.trainers.pop(key, None)  # what its old worker did is not this one's
+                self.workers.drop(key)
             self.ranks[key] = rank
             self.tracked.see(key, ip)  # unanswered since: judged against the startup grace
             self._due[key] = 0.0
@@ -172,6 +223,7 @@ class HeartbeatChannel:
         self.ranks.pop(key, None)
         self._due.pop(key, None)
         self.trainers.pop(key, None)
+        self.workers.drop(key)
         self.tracked.drop(key)
 
     def want(self, job: JobKey, ask: JobAsk) -> None:
@@ -245,6 +297,11 @@ class HeartbeatChannel:
                 self.trainers.pop(key, None)
             else:
                 self.trainers[key] = reply.trainer_silent_s
+            if reply.worker_exit is None:
+                self.workers.drop(key)
+            else:
+                with contextlib.suppress(ValueError):  # a code out of range: not an exit
+                    self.workers.see(key, WorkerExit(reply.attempt, reply.worker_exit))
         found = LastCheckpoint.decode(reply.last_checkpoint) if rank.node_rank == 0 else None
         best = self._reports.get(rank.job)
         if found is not None and (best is None or found.step > best.step):

@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
-from ctj_contract import LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK
+from ctj_contract import LABEL_ATTEMPT, LABEL_JOB, LABEL_LAUNCHER, LABEL_RANK
+from ctj_contract.launch import WorkerExit
 
 from . import capacity
 from .builders import (
@@ -93,22 +94,36 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         "terminating": meta.get("deletionTimestamp") is not None,
         "reason": status.get("reason"),
         "waiting": waiting,
+        "launcher": labels.get(LABEL_LAUNCHER) == "true",
     }
 
 
-def pod_view(s: Mapping[str, Any], phase_age: float | None = None) -> PodView:
+def pod_view(
+    s: Mapping[str, Any],
+    phase_age: float | None = None,
+    *,
+    worker: tuple[WorkerExit, float | None] | None = None,
+) -> PodView:
+    """``worker``: how the pod's worker of this attempt ended while its launcher keeps the
+    pod running (as its sidecar reported it), and how long ago that was seen: the rank
+    reads Failed, as a pod whose trainer ended would, and stays relaunchable."""
+    phase, exit_, age = s["phase"], s.get("exit", ""), phase_age
+    running = phase == "Running" and not s["terminating"]
+    if worker is not None and running and worker[0].attempt == s["attempt"]:
+        phase, exit_, age = "Failed", worker[0].describe(), worker[1]
     return PodView(
         name=s["name"],
         attempt=s["attempt"],
         node_rank=s["rank"],
-        phase=s["phase"],
+        phase=phase,
         node_name=s["node"],
         terminating=s["terminating"],
         reason=s["reason"],
-        exit=s.get("exit", ""),  # absent from a summary an older operator indexed
+        exit=exit_,  # absent from a summary an older operator indexed
         finished=s.get("finished", False),
         waiting=s["waiting"],
-        phase_age=phase_age,
+        phase_age=age,
+        relaunchable=running and s.get("launcher", False),
     )
 
 
@@ -162,6 +177,11 @@ class Freshness:
         if old is None or old[0] != value:
             self._seen[key] = (value, self.clock(), time.time())
 
+    def value(self, key: Any) -> Any:
+        """The value last seen (None where none was)."""
+        seen = self._seen.get(key)
+        return None if seen is None else seen[0]
+
     def silent_for(self, key: Any) -> float | None:
         seen = self._seen.get(key)
         return None if seen is None else self.clock() - seen[1]
@@ -194,6 +214,9 @@ class Marks:
     trainers: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
     """(namespace, pod) -> how long its trainers had not run, as its sidecar's last answer
     said (heartbeats.py; absent: no trainer of the pod has a liveness pulse)."""
+    workers: Freshness = dataclasses.field(default_factory=Freshness)
+    """(namespace, pod) -> how its worker ended (a ``WorkerExit``) while the launcher keeps
+    the pod up, as its sidecar answered (heartbeats.py), and since when."""
 
 
 JobKey: TypeAlias = tuple[str, str]
@@ -237,7 +260,11 @@ def observe(
     namespace, name = key
     nodes = [n for found in indexes.nodes.values() for n in found]
     pods = [
-        pod_view(s, marks.phases.silent_for((namespace, s["name"])))
+        pod_view(
+            s,
+            marks.phases.silent_for((namespace, s["name"])),
+            worker=_worker_exit(marks.workers, (namespace, s["name"])),
+        )
         for s in indexes.pods.get(key, ())
     ]
     nodes_seen = [node_view(n, marks.kubelets.changed_at(n["metadata"]["name"])) for n in nodes]
@@ -275,6 +302,11 @@ def observe(
         selector=job_selector(name),
         refused=refused,
     )
+
+
+def _worker_exit(workers: Freshness, key: tuple[str, str]) -> tuple[WorkerExit, float] | None:
+    found, age = workers.value(key), workers.silent_for(key)
+    return (found, age or 0.0) if isinstance(found, WorkerExit) else None
 
 
 def job_selector(name: str) -> str:

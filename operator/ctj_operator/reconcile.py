@@ -66,7 +66,11 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
         last_checkpoint = None
         if op.channel is not None:  # what the ranks are told, from the status read
             period = spec.detection.heartbeat_period_seconds
-            op.channel.want(key, JobAsk.of(uid, state, period))
+            ask = JobAsk.of(
+                uid, state, period, job=name, nproc=spec.nproc_per_node,
+                relaunches=spec.relaunches,
+            )  # fmt: skip
+            op.channel.want(key, ask)
             last_checkpoint = op.channel.last_checkpoint(key)
         uri = state.storage or job_checkpoint_uri(spec, namespace, name, uid)
         refused = op.refused.get(uid)

@@ -38,6 +38,7 @@ POD_GRACE_SECONDS = 30
 
 class Verb(enum.StrEnum):
     CREATE = "create"  # already there (409) is success
+    PATCH = "patch"  # a pod's labels (kept for the next attempt); already gone (404) is success
     PATCH_STATUS = "patch-status"  # the job's .status, conditional on the version read
     DELETE = "delete"  # already gone (404) is success; the job itself: only if unchanged
     EVENT = "event"  # a Kubernetes Event about the job
@@ -142,10 +143,16 @@ def _(action: CreateAttempt, target: Target) -> tuple[Call, ...]:
         )
         return (*calls, create(Kind.PYTORCHJOB, job))
     calls.append(create(Kind.SERVICE, builders.build_service(body)))
-    for rank in range(world_size):
+    carried = action.carried
+    for rank, pod_name in enumerate(carried):  # before any create: the anti-affinity sees them
+        labels = builders.rank_labels(target.name, attempt, rank, world_size)
+        patch = {"metadata": {"labels": labels}}
+        calls.append(Call(verb=Verb.PATCH, kind=Kind.POD, namespace=ns, name=pod_name, body=patch))
+    for rank in range(len(carried), world_size):
         pod = builders.build_pod(
-            body, spec, uri=uri, attempt=attempt, world_size=world_size, node_rank=rank, avoid=avoid
-        )
+            body, spec, uri=uri, attempt=attempt, world_size=world_size, node_rank=rank,
+            avoid=avoid, names=carried,
+        )  # fmt: skip
         calls.append(create(Kind.POD, pod))
     return tuple(calls)
 

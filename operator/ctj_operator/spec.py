@@ -120,6 +120,9 @@ class JobSpec:
     max_restarts: int = 10
     backoff_seconds: float = 2.0
     reset_after_seconds: float = 600.0  # crashes are forgiven after this long healthy
+    in_place: bool = True
+    """restartPolicy.inPlace: survivors keep their pods across an unplanned restart (where
+    ``relaunches``)."""
     scale_up: bool = True
     stabilization_seconds: float = 60.0
     detection: DetectionSpec = dataclasses.field(default_factory=lambda: DetectionSpec())
@@ -149,6 +152,14 @@ class JobSpec:
         if not containers:
             raise SpecError("spec.template.spec.containers is empty: add the trainer container")
         object.__setattr__(self, "backend", _backend(self.backend))
+
+    @property
+    def relaunches(self) -> bool:
+        """Its pods run the ctj launcher, so a survivor's worker restarts in place: asked
+        for (restartPolicy.inPlace), our own pods (a PyTorchJob's are its controller's),
+        and a trainer command to wrap (an image's entrypoint cannot be)."""
+        trainer = (self.template.get("spec") or {}).get("containers", [{}])[0]
+        return self.in_place and self.backend == Backend.PODS and bool(trainer.get("command"))
 
     @classmethod
     def parse(
@@ -190,6 +201,7 @@ class JobSpec:
             max_restarts=int(restart.get("maxRestarts", 10)),
             backoff_seconds=float(restart.get("backoffSeconds", 2.0)),
             reset_after_seconds=float(restart.get("resetAfterSeconds", 600.0)),
+            in_place=bool(restart.get("inPlace", True)),
             scale_up=bool(scale.get("enabled", True)),
             stabilization_seconds=float(scale.get("stabilizationSeconds", 60.0)),
             detection=DetectionSpec(

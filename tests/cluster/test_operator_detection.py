@@ -64,9 +64,10 @@ def test_a_stopped_trainer_is_a_hung_rank_within_the_timeout(
     ns, name = job_namespace, "hung"
     new_job(name, env=FAST_TRAINING, restartPolicy={"maxRestarts": 5, "backoffSeconds": 0.5})
     training(op_cluster, ns, name)
-    group = sim.trainer_group(ns, f"{name}-a1-1")
-    stopped.append(group)
-    os.killpg(group, signal.SIGSTOP)
+    groups = sim.trainer_groups(ns, f"{name}-a1-1")
+    stopped.extend(groups)
+    for group in groups:
+        os.killpg(group, signal.SIGSTOP)
     began = time.monotonic()
 
     def restarted() -> dict[str, str] | None:
@@ -97,11 +98,13 @@ def test_a_trainer_stopped_for_less_than_the_timeout_keeps_its_attempt(
     ns, name = job_namespace, "paused"
     new_job(name, env=FAST_TRAINING)
     before = training(op_cluster, ns, name)
-    group = sim.trainer_group(ns, f"{name}-a1-1")
-    stopped.append(group)
-    os.killpg(group, signal.SIGSTOP)
+    groups = sim.trainer_groups(ns, f"{name}-a1-1")
+    stopped.extend(groups)
+    for group in groups:
+        os.killpg(group, signal.SIGSTOP)
     time.sleep(TIMEOUT_S / 2)  # the fault itself: a pause of half the timeout
-    os.killpg(group, signal.SIGCONT)
+    for group in groups:
+        os.killpg(group, signal.SIGCONT)
     # trained on past the pause (steps are collective: every rank did), long enough for the
     # operator to have judged the silence its asks saw during the pause
     pod = f"{name}-a1-0"

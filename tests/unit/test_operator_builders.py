@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from ctj_contract import LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK, LABEL_WORLD
+from ctj_contract import LABEL_ATTEMPT, LABEL_JOB, LABEL_LAUNCHER, LABEL_RANK, LABEL_WORLD
 from ctj_operator import builders
 from ctj_operator.capacity import pod_requests
 from ctj_operator.spec import JobSpec, NodeCache, SpecError
@@ -130,6 +130,7 @@ def test_pod_identity_labels_dns_and_one_rank_per_node() -> None:
         LABEL_ATTEMPT: "2",
         LABEL_RANK: "1",
         LABEL_WORLD: "3",
+        LABEL_LAUNCHER: "true",
     }
     assert (spec["hostname"], spec["subdomain"]) == ("demo-a2-1", "demo")
     (term,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]

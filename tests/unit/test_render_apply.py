@@ -144,6 +144,9 @@ class FakeObjects:
         if name not in self.existing:
             raise api_error(404)
 
+    def patch(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any:
+        self._do("patch", name)
+
     def patch_status(self, namespace: str, name: str, body: Mapping[str, Any]) -> Any:
         self._do("patch_status", name)
         rv = int(body["metadata"]["resourceVersion"])
@@ -238,3 +241,12 @@ def test_a_finished_job_is_deleted_only_if_it_is_still_the_one_read() -> None:
     api, _ = fake_api(JOB={"delete_if": api_error(403)})
     with pytest.raises(ApiException):
         apply(delete, api, resource_version="5")
+
+
+def test_a_carried_pod_gone_before_its_relabel_does_not_stop_the_start() -> None:
+    """404 on the relabel: the next reconcile sees the rank missing and ends the attempt."""
+    keep = Plan((PatchStatus({"attempt": 2}), CreateAttempt(2, 2, carried=("demo-a1-1",))))
+    api, log = fake_api(POD={"patch": api_error(404)})
+    outcome = apply(render_plan(keep, target(cache=False)), api, resource_version="5")
+    assert not (outcome.stale or outcome.refused)
+    assert ("patch", "Pod", "demo-a1-1") in log and ("create", "Pod", "demo-a2-1") in log

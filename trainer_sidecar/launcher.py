@@ -1,0 +1,333 @@
+"""The trainer container's main process: runs the trainer, restarts it in place on an
+assignment, and keeps the pod up between attempts (``ctj_contract.launch``).
+
+``python -m trainer_sidecar.launcher [--grace-seconds S] [--poll-seconds P] -- CMD...``
+starts CMD (the worker) with the pod's environment, then polls
+``<staging>/launch/assignment.json``. An assignment newer than the attempt the worker runs
+stops the worker (SIGTERM to its process group, SIGKILL after the grace) and starts CMD
+again with the assignment's environment: a survivor of a failure joins the next attempt
+without a new pod (no scheduling, no image pull, its node cache kept). A worker that
+exits non-zero is reported in ``exit.json`` and the pod stays up for the operator's next
+assignment; one that exits 0 ends the launcher with 0.
+
+The worker runs in its own session, so one signal to its process group reaches torchrun
+and every rank it started, and never the launcher. SIGTERM, SIGINT and SIGHUP to the
+launcher (the kubelet stopping the pod) go to that group, and the launcher exits as the
+worker did. Signal handlers only record the signal; the loop acts on it, woken at once
+by ``signal.set_wakeup_fd`` (SIGCHLD wakes it too, when the worker exits). As a
+container's PID 1 the launcher also reaps the orphans a killed torchrun leaves.
+
+The launcher imports only the standard library and ``ctj_contract``: it starts in a
+fraction of a second, before any of torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+
+from ctj_contract.env import Env
+from ctj_contract.launch import (
+    ASSIGNMENT_FILE,
+    EXIT_FILE,
+    Assignment,
+    WorkerExit,
+    launch_dir,
+    read_small,
+    write_atomic,
+)
+
+log = logging.getLogger("ctj.launcher")
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_STOP_POLL_S = 0.01
+FileState = tuple[int, int, int, int]
+"""What a cheap ``lstat`` says of a file (inode, size, mtime, mode): a change means read it."""
+
+
+def file_state(path: Path) -> FileState | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+
+
+def read_assignment(
+    path: Path, seen: FileState | None
+) -> tuple[FileState | None, Assignment | None]:
+    """The file's state now, and the assignment it holds where that state is not ``seen``.
+    A file that is malformed, too big, a link or not a regular file is logged once (its
+    state is seen from then on) and ignored; one replaced while read is read again."""
+    state = file_state(path)
+    if state is None or state == seen:
+        return state, None
+    found: Assignment | None = None
+    error: Exception | None = None
+    try:
+        raw = read_small(path)
+        found = None if raw is None else Assignment.decode(raw)
+    except (OSError, ValueError) as exc:
+        error = exc
+    if file_state(path) != state:
+        return seen, None  # replaced while read: the next poll reads the new one
+    if error is not None:
+        log.warning("ctj launcher: ignoring assignment %s: %s", path, error)
+    return state, found
+
+
+def exit_status(returncode: int) -> int:
+    """A process's exit status as a shell reports it: 128 + N for death by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Worker:
+    """The command in its own session and process group (its group id is its pid). An
+    ended worker is reaped only after its group is killed: its pid, and so the group's id,
+    cannot have been reused when the group is signalled."""
+
+    def __init__(self, cmd: Sequence[str], env: Mapping[str, str], attempt: int) -> None:
+        self.attempt = attempt
+        self.proc = subprocess.Popen(list(cmd), env=dict(env), start_new_session=True)
+
+    def exited(self) -> bool:
+        """Whether the worker ended (left unreaped)."""
+        if self.proc.returncode is not None:
+            return True
+        flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+        try:
+            return os.waitid(os.P_PID, self.proc.pid, flags) is not None
+        except ChildProcessError:
+            return True
+
+    def signal_group(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signum)
+
+    def reap(self) -> int:
+        """The ended worker's return code, once nothing it started outlives it."""
+        self.signal_group(signal.SIGKILL)
+        return self.proc.wait()
+
+    def stop(self, grace_s: float) -> int:
+        """SIGTERM to the group, SIGKILL after ``grace_s`` (or once the worker ended: what
+        it started may linger)."""
+        if not self.exited():
+            self.signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while not self.exited() and time.monotonic() < deadline:
+                time.sleep(_STOP_POLL_S)
+        return self.reap()
+
+
+def reap_orphans(keep: int | None) -> None:
+    """Reap exited children other than ``keep`` (the worker, which ``Popen`` reaps): the
+    ranks of a killed torchrun, reparented to the launcher where it is PID 1."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid == keep:
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, 0)
+
+
+def _env_attempt() -> int:
+    value = os.environ.get(Env.ATTEMPT) or "0"
+    try:
+        return int(value)
+    except ValueError:
+        log.warning("ctj launcher: %s=%r is not an integer: attempt 0", Env.ATTEMPT, value[:32])
+        return 0
+
+
+def _describe(env: Mapping[str, str]) -> str:
+    rank = env.get(Env.NODE_RANK) or env.get("PET_NODE_RANK") or "?"
+    master = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+    return f"node rank {rank} of {env.get('PET_NNODES', '?')} (master {master})"
+
+
+class Launcher:
+    """The poll loop: one worker at a time, the attempt it runs, the signals to act on."""
+
+    def __init__(
+        self, cmd: Sequence[str], launch: Path | None, grace_s: float, poll_s: float
+    ) -> None:
+        self.cmd, self.grace_s, self.poll_s = list(cmd), grace_s, poll_s
+        self.assignment_path = launch / ASSIGNMENT_FILE if launch else None
+        self.exit_path = launch / EXIT_FILE if launch else None
+        self.attempt = _env_attempt()
+        self.seen: FileState | None = None
+        self.worker: Worker | None = None
+        self.pending: list[int] = []
+        self._wake_r, wake_w = os.pipe()
+        for fd in (self._wake_r, wake_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        for signum in FORWARDED:
+            signal.signal(signum, self._record)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake the loop
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self.pending.append(signum)
+
+    def _sleep(self) -> None:
+        """Up to one poll period; a signal (SIGCHLD included) ends it at once."""
+        if select.select([self._wake_r], [], [], self.poll_s)[0]:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+
+    def run(self) -> int:
+        self._clear_exit()
+        self._start(self._newer())
+        while True:
+            if self.pending:
+                return self._on_signal(self.pending.pop(0))
+            if self.worker is not None and self.worker.exited():
+                code = self.worker.reap()
+                if code == 0 or self.exit_path is None:
+                    return exit_status(code)
+                self._failed(self.worker, code)
+            if (newer := self._newer()) is not None:
+                self._restart(newer)
+            reap_orphans(self.worker.proc.pid if self.worker else None)
+            self._sleep()
+
+    def _newer(self) -> Assignment | None:
+        if self.assignment_path is None:
+            return None
+        self.seen, found = read_assignment(self.assignment_path, self.seen)
+        if found is not None and found.attempt <= self.attempt:
+            level = logging.INFO if found.attempt == self.attempt else logging.WARNING
+            log.log(
+                level,
+                "ctj launcher: ignoring assignment for attempt %d: attempt %d runs",
+                found.attempt,
+                self.attempt,
+            )
+            return None
+        return found
+
+    def _start(self, assignment: Assignment | None) -> None:
+        if self.pending:
+            return  # stopping: the loop exits
+        env: Mapping[str, str] = os.environ
+        if assignment is not None:
+            env = {**os.environ, **assignment.environment()}
+            self.attempt = assignment.attempt
+        log.info(
+            "ctj launcher: attempt %d, %s: starting %s",
+            self.attempt,
+            _describe(env),
+            shlex.join(self.cmd),
+        )
+        self.worker = Worker(self.cmd, env, self.attempt)
+
+    def _restart(self, assignment: Assignment) -> None:
+        if self.worker is not None:
+            log.info(
+                "ctj launcher: stopping the worker of attempt %d for attempt %d",
+                self.worker.attempt,
+                assignment.attempt,
+            )
+            self.worker.stop(self.grace_s)
+            self.worker = None
+        self._clear_exit()
+        self._start(assignment)
+
+    def _failed(self, worker: Worker, code: int) -> None:
+        """The worker failed (and nothing it started outlives it): the sidecar reads why."""
+        self.worker = None
+        ended = WorkerExit(worker.attempt, code)
+        assert self.exit_path is not None
+        try:
+            write_atomic(self.exit_path, ended.encode())
+        except OSError as exc:
+            log.error("ctj launcher: cannot write %s: %s", self.exit_path, exc)
+        log.warning(
+            "ctj launcher: worker of attempt %d %s; the pod stays up for the "
+            "operator's next assignment",
+            worker.attempt,
+            ended.describe(),
+        )
+
+    def _clear_exit(self) -> None:
+        if self.exit_path is not None:
+            with contextlib.suppress(OSError):
+                self.exit_path.unlink(missing_ok=True)
+
+    def _on_signal(self, signum: int) -> int:
+        """Forward to the worker's group (and any signal after it) and exit as it does; the
+        kubelet's grace period bounds the wait."""
+        if self.worker is None:
+            log.info("ctj launcher: %s and no worker runs: exiting", signal.Signals(signum).name)
+            return 128 + signum
+        log.info("ctj launcher: forwarding %s to the worker", signal.Signals(signum).name)
+        self.worker.signal_group(signum)
+        while not self.worker.exited():
+            self._sleep()
+            while self.pending:
+                self.worker.signal_group(self.pending.pop(0))
+        return exit_status(self.worker.reap())
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer_sidecar.launcher",
+        usage="%(prog)s [--grace-seconds S] [--poll-seconds P] -- CMD [ARGS...]",
+        description="Run CMD as the trainer; restart it in place on a newer assignment.",
+    )
+    parser.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=1.0,
+        help="SIGTERM to SIGKILL on a restart (default 1)",
+    )
+    parser.add_argument(
+        "--poll-seconds",
+        type=float,
+        default=0.1,
+        help="how often the assignment is read (default 0.1)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    split = args.index("--") if "--" in args else len(args)
+    opts, cmd = parser.parse_args(args[:split]), args[split + 1 :]
+    if not cmd:
+        parser.error("no command after --")
+    if opts.grace_seconds < 0 or opts.poll_seconds <= 0:
+        parser.error("--grace-seconds must be >= 0 and --poll-seconds > 0")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    launch: Path | None = None
+    staging = os.environ.get(Env.STAGING_DIR)
+    if not staging:
+        log.warning("ctj launcher: %s is not set: in-place restarts are off", Env.STAGING_DIR)
+    else:
+        try:
+            launch = launch_dir(staging)
+            launch.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("ctj launcher: in-place restarts are off: %s", exc)
+            launch = None
+    return Launcher(cmd, launch, opts.grace_seconds, opts.poll_seconds).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
