@@ -64,13 +64,13 @@ from ctj_stack.jobs import (
     FAST_TRAINING,
     OperatorProcess,
     attempt_of,
-    committed_steps,
     install_crd,
     job_manifest,
     job_pods,
+    rank0_events,
+    rank_pod,
     running,
     status,
-    trainer_events,
 )
 from kubernetes import client
 
@@ -189,9 +189,7 @@ def _prepare(cluster: Cluster, s3: LocalS3) -> None:
 
 def _events(cluster: Cluster, attempt: int, kind: str) -> list[dict[str, Any]]:
     """The ``kind`` events rank 0 of ``attempt`` printed."""
-    return [
-        e for e in trainer_events(cluster, JOB_NS, f"{JOB}-a{attempt}-0") if e.get("event") == kind
-    ]
+    return [e for e in rank0_events(cluster, JOB_NS, JOB, attempt) if e.get("event") == kind]
 
 
 def _steady(cluster: Cluster, timeout: float) -> int:
@@ -202,7 +200,10 @@ def _steady(cluster: Cluster, timeout: float) -> int:
         attempt = st.get("attempt")
         if not attempt or not running(cluster, JOB_NS, JOB, attempt, WORLD):
             return None
-        return attempt if committed_steps(cluster, JOB_NS, f"{JOB}-a{attempt}-0") else None
+        committed = [
+            e for e in rank0_events(cluster, JOB_NS, JOB, attempt) if e["event"] == "committed"
+        ]
+        return attempt if committed else None
 
     return _wait("the job at world size 3 with a commit", timeout, ready)
 
@@ -210,9 +211,7 @@ def _steady(cluster: Cluster, timeout: float) -> int:
 def measure_round(cluster: Cluster, index: int, args: argparse.Namespace) -> Round:
     attempt = _steady(cluster, args.timeout)
     time.sleep(args.settle)
-    victim = next(
-        p for p in job_pods(cluster, JOB_NS, JOB) if p.metadata.name == f"{JOB}-a{attempt}-1"
-    )
+    victim = rank_pod(cluster, JOB_NS, JOB, attempt, 1)
     node = victim.spec.node_name
     log(f"round {index}: attempt {attempt} trains at 3; killing {node} (rank 1)")
     killed = time.time()

@@ -40,9 +40,13 @@ DIM = 64
 DATASET_LEN = 4096  # 21 global batches of 192 an epoch: a 60-step run spans 3 epochs
 
 
+ATTEMPT = int(os.environ.get("CTJ_ATTEMPT") or 0)  # a pod kept across attempts logs several
+
+
 def log(event: str, **fields: object) -> None:
     if dist.get_rank() == 0 or event in ("error",):
-        line = {"t": round(time.time(), 3), "event": event, "rank": dist.get_rank(), **fields}
+        line = {"t": round(time.time(), 3), "event": event, "rank": dist.get_rank(),
+                "attempt": ATTEMPT, **fields}
         print(json.dumps(line), flush=True)
 
 

@@ -21,7 +21,15 @@ What the ask carries:
   finds it (save at the step boundary, wait for the commit, stop: the operator
   checkpoints a job before a planned resize);
 - ``ended``: the operator ended this pod's attempt, so a commit waiting for other ranks'
-  parts stops waiting (those ranks are being torn down).
+  parts stops waiting (those ranks are being torn down);
+- the pod's ``Assignment`` in the current attempt (``ctj_contract.launch``): pods outlive
+  attempts, so a pod kept from a failed attempt gets one newer than the attempt it serves.
+  The sidecar ends the old attempt, clears what belonged to it (the trainers' liveness
+  pulses, the checkpoint request), writes the assignment to ``<staging>/launch/`` for the
+  launcher (which restarts the worker in place) and serves the new attempt and node rank.
+
+The reply also carries the exit status of the served attempt's worker where it ended and
+the pod runs on (``<staging>/launch/exit.json``, which the launcher writes).
 
 A request without the job's token is refused (401) and changes nothing. The names and
 the messages' forms are the contract's (``ctj_contract``), which the operator imports too.
@@ -39,12 +47,20 @@ from pathlib import Path
 from typing import Protocol
 
 from ctj_contract import Env, HeartbeatAsk, HeartbeatReply, LastCheckpoint, rfc3339
+from ctj_contract.launch import (
+    ASSIGNMENT_FILE,
+    EXIT_FILE,
+    Assignment,
+    WorkerExit,
+    read_small,
+    write_atomic,
+)
 from ctj_contract.tokens import tokens_match
 
 from .errors import CheckpointError
-from .liveness import PulseWatch
+from .liveness import PulseWatch, clear_pulses
 from .metrics import HeartbeatMetrics
-from .save.slots import read_request, write_request
+from .save.slots import read_request, request_path, write_request
 
 log = logging.getLogger("ctj.heartbeat")
 
@@ -108,9 +124,14 @@ class HeartbeatEndpoint:
     """``/v1/heartbeat``'s handler (``handle`` is called on the metrics server's threads).
 
     ``latest`` gives the last committed manifest (``Persister.latest_committed``), ``root``
-    is the job's staging root (where the trainers' liveness pulses are read, liveness.py),
-    ``on_ended`` runs once when the operator says the attempt is over
-    (``Persister.attempt_ended``).
+    is the job's staging root (where the trainers' liveness pulses are read, liveness.py,
+    and the checkpoint request written), ``launch`` the launch directory on the pod's
+    staging volume (``ctj_contract.launch.launch_dir``; None: assignments are not relayed,
+    no worker exit is reported), ``on_ended`` runs once for each attempt the operator says
+    is over, with its number (``Persister.attempt_ended``).
+
+    The attempt and node rank served start as ``settings`` says (the pod's environment)
+    and move on with each newer assignment; the lock guards them.
     """
 
     def __init__(
@@ -119,19 +140,30 @@ class HeartbeatEndpoint:
         *,
         latest: Callable[[], CommittedCheckpoint | None],
         root: Path,
-        on_ended: Callable[[], None] | None = None,
+        launch: Path | None = None,
+        on_ended: Callable[[int], None] | None = None,
         metrics: HeartbeatMetrics | None = None,
     ) -> None:
         self.settings = settings
         self._latest = latest
         self.root = Path(root)
+        self.launch = None if launch is None else Path(launch)
         self._on_ended = on_ended
         self.metrics = metrics
         self.trainers = PulseWatch(self.root)
+        self.attempt = settings.attempt
+        self.node_rank = settings.node_rank
         self.request_seen: str | None = read_request(self.root)
-        self.ended = False
+        self.ended_attempt: int | None = None
+        """The newest attempt ended (on_ended ran for it)."""
         self.reported: str | None = None
+        self._exit_warned: str | None = None
         self._lock = threading.Lock()  # asks may overlap (a slow one, then the next)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the attempt served is over."""
+        return self.ended_attempt is not None and self.ended_attempt >= self.attempt
 
     def handle(self, body: bytes, authorization: str | None) -> Response:
         scheme, _, given = (authorization or "").partition(" ")
@@ -144,22 +176,80 @@ class HeartbeatEndpoint:
             self._count(refused=True)
             return 400, "text/plain", f"{exc}\n".encode()
         with self._lock:
-            if ask.attempt == self.settings.attempt:
+            if ask.assignment is not None and ask.assignment.attempt > self.attempt:
+                self._adopt(ask.assignment)
+            if ask.attempt == self.attempt:
                 self._take_request(ask.checkpoint_request)
-            if ask.ended or ask.attempt > self.settings.attempt:
+            # an ask older than the attempt served (a stale view) ends nothing
+            if (ask.ended and ask.attempt >= self.attempt) or ask.attempt > self.attempt:
                 self._end()
             reply = HeartbeatReply(
-                attempt=self.settings.attempt,
-                node_rank=self.settings.node_rank,
+                attempt=self.attempt,
+                node_rank=self.node_rank,
                 request_seen=self.request_seen,
                 last_checkpoint=self._report(),
                 trainer_silent_s=self.trainers.silent_s(),
+                worker_exit=self._worker_exit(),
             )
         self._count(refused=False)
         return 200, "application/json", reply.encode()
 
+    def _adopt(self, assignment: Assignment) -> None:
+        """A newer attempt for this pod: end the one served, clear what belonged to it,
+        hand the assignment to the launcher, serve the new one. Where the assignment
+        cannot be written nothing is adopted: the operator asks again with the next beat."""
+        if self.launch is None:
+            return
+        self._end()
+        # the old worker is being stopped: its pulse, left, would read as a hung rank
+        # (cleared before the launcher can start the new worker, whose pulse it keeps)
+        clear_pulses(self.root)
+        # a request belongs to an attempt: the old one's must not stop the new worker
+        try:
+            request_path(self.root).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("heartbeat: cannot remove the old checkpoint request: %s", exc)
+        self.request_seen = None
+        try:
+            write_atomic(self.launch / ASSIGNMENT_FILE, assignment.encode())
+        except OSError as exc:
+            log.warning(
+                "heartbeat: cannot write attempt %d's assignment to %s: %s",
+                assignment.attempt,
+                self.launch,
+                exc,
+            )
+            return
+        self.attempt = assignment.attempt
+        self.node_rank = assignment.node_rank
+        log.info(
+            "heartbeat: attempt %d assigned (node rank %d of %d): "
+            "the launcher restarts the worker in place",
+            assignment.attempt,
+            assignment.node_rank,
+            assignment.world_size,
+        )
+
+    def _worker_exit(self) -> int | None:
+        """The served attempt's worker's exit status, where the launcher wrote one."""
+        if self.launch is None:
+            return None
+        path = self.launch / EXIT_FILE
+        try:
+            raw = read_small(path)
+            if raw is None:
+                return None
+            found = WorkerExit.decode(raw)
+        except (OSError, ValueError) as exc:
+            what = f"{type(exc).__name__}: {exc}"
+            if what != self._exit_warned:  # once per distinct trouble, not every beat
+                self._exit_warned = what
+                log.warning("heartbeat: ignoring %s: %s", path, what)
+            return None
+        return found.code if found.attempt == self.attempt else None
+
     def _report(self) -> str | None:
-        if self.settings.node_rank != 0:
+        if self.node_rank != 0:
             return None
         latest = self._latest()
         if latest is None:
@@ -182,12 +272,13 @@ class HeartbeatEndpoint:
         log.info("heartbeat: checkpoint requested (id %r): wrote %s", request, path)
 
     def _end(self) -> None:
+        """The attempt served is over (once per attempt)."""
         if self.ended:
             return
-        self.ended = True
-        log.info("heartbeat: the operator ended attempt %d", self.settings.attempt)
+        self.ended_attempt = self.attempt
+        log.info("heartbeat: the operator ended attempt %d", self.attempt)
         if self._on_ended is not None:
-            self._on_ended()
+            self._on_ended(self.attempt)
 
     def _count(self, *, refused: bool) -> None:
         if self.metrics is not None:

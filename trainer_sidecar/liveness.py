@@ -109,6 +109,28 @@ class PulseWatch:
             return max(now - changed for _, changed in self._seen.values())
 
 
+def clear_pulses(root: Path) -> int:
+    """Remove the trainers' pulses in ``root`` (their worker is being replaced: a pulse
+    left behind would read as a hung rank); how many were removed. Never raises."""
+    removed = 0
+    try:
+        entries = os.scandir(root)
+    except OSError:
+        return removed
+    with entries:
+        for entry in entries:
+            if not entry.name.startswith(PULSE_PREFIX):
+                continue
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    continue
+                os.unlink(entry.path)
+            except OSError:  # gone already, or not ours to remove
+                continue
+            removed += 1
+    return removed
+
+
 def _read_pulses(root: Path) -> dict[str, bytes]:
     found: dict[str, bytes] = {}
     try:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ctj_contract import HEARTBEAT_PATH
+from ctj_contract.launch import launch_dir
 
 from . import __version__
 from . import heartbeat as heartbeats
@@ -162,6 +163,7 @@ def run(
                 heartbeat,
                 latest=persister.latest_committed,
                 root=root,
+                launch=launch_dir(config.staging_dir),
                 on_ended=persister.attempt_ended,
                 metrics=HeartbeatMetrics(metrics.registry),
             )

@@ -33,16 +33,19 @@ KF_TRAINER = "pytorch"
 RESTART_TIMEOUT = 420.0  # node-monitor grace + teardown + scheduling + torch's start
 
 
-def trainer_log_events(text: str) -> list[dict[str, Any]]:
+def trainer_log_events(text: str, attempt: int | None = None) -> list[dict[str, Any]]:
     """The JSON event lines of a trainer's log (examples/train_fsdp.py prints one per
-    event); other lines, and a line still being written, are skipped."""
+    event); other lines, and a line still being written, are skipped. ``attempt``: only
+    that attempt's (a pod kept across attempts runs one worker per attempt, one log)."""
     events = []
     for line in text.splitlines():
         if line.startswith("{"):
             try:
-                events.append(json.loads(line))
+                event = json.loads(line)
             except ValueError:
                 continue
+            if attempt is None or event.get("attempt") == attempt:
+                events.append(event)
     return events
 
 
@@ -149,13 +152,16 @@ class Harness(ABC):
         ok = len(pods) == world and all(p.status.phase == "Running" for p in pods)
         return st if ok else None
 
-    def trainer_events(self, namespace: str, pod: str) -> list[dict[str, Any]]:
+    def trainer_events(
+        self, namespace: str, pod: str, attempt: int | None = None
+    ) -> list[dict[str, Any]]:
         """The JSON lines examples/train_fsdp.py printed (none if the pod has no log yet),
-        from its trainer container (named ``pytorch`` in a PyTorchJob's pods)."""
+        from its trainer container (named ``pytorch`` in a PyTorchJob's pods); ``attempt``:
+        only that attempt's."""
         for container in ("trainer", KF_TRAINER):
             text = self.container_log(namespace, pod, container)
             if text is not None:
-                return trainer_log_events(text)
+                return trainer_log_events(text, attempt)
         return []
 
     def wait_running(self, namespace: str, name: str, world: int, after: int) -> dict[str, Any]:
@@ -189,7 +195,7 @@ class Harness(ABC):
             pod = self.master(namespace, name, attempt)
             if pod is None:
                 return None
-            events = self.trainer_events(namespace, pod)
+            events = self.trainer_events(namespace, pod, attempt)
             restored = [e for e in events if e["event"] == "restored"]
             steps = [e for e in events if e["event"] == "step"]
             return (restored[0], steps[0]) if restored and steps else None

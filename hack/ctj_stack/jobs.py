@@ -228,15 +228,48 @@ def print_pod_logs(cluster: Cluster, namespace: str, tail: int = 3000) -> None:
 
 
 def trainer_events(
-    cluster: Cluster, namespace: str, pod: str, container: str = "trainer"
+    cluster: Cluster,
+    namespace: str,
+    pod: str,
+    container: str = "trainer",
+    attempt: int | None = None,
 ) -> list[dict[str, Any]]:
     """The JSON events examples/train_fsdp.py printed in a pod's trainer container
-    (``pytorch`` in a PyTorchJob's pods)."""
+    (``pytorch`` in a PyTorchJob's pods); ``attempt``: only that attempt's."""
     try:
         text = cluster.container_log(namespace, pod, container)
     except FileNotFoundError:
         return []
-    return trainer_log_events(text)
+    return trainer_log_events(text, attempt)
+
+
+def rank_pod(cluster: Cluster, namespace: str, name: str, attempt: int, rank: int) -> Any:
+    """The pod holding node rank ``rank`` of ``attempt`` by its labels (a pod kept from
+    an earlier attempt is named after that one), or None."""
+    return next(
+        (
+            p
+            for p in job_pods(cluster, namespace, name)
+            if attempt_of(p) == attempt and p.metadata.labels.get(f"{GROUP}/node-rank") == str(rank)
+        ),
+        None,
+    )
+
+
+def rank0_events(
+    cluster: Cluster, namespace: str, name: str, attempt: int, max_ranks: int = 8
+) -> list[dict[str, Any]]:
+    """What ``attempt``'s rank 0 printed (only rank 0 prints), its pod gone or not: the
+    pod is one an attempt up to it made (``<name>-a<k>-<r>``), the one whose log has
+    events of ``attempt``; [] while none has."""
+    live = rank_pod(cluster, namespace, name, attempt, 0)
+    names = [live.metadata.name] if live is not None else []
+    names += [f"{name}-a{k}-{r}" for k in range(attempt, 0, -1) for r in range(max_ranks)]
+    for pod in names:
+        events = trainer_events(cluster, namespace, pod, attempt=attempt)
+        if events:
+            return events
+    return []
 
 
 def wait_resumed(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from ctj_devcluster import Cluster
-from ctj_stack.jobs import OperatorProcess, attempt_of, metric_value
+from ctj_stack.jobs import OperatorProcess, attempt_of, metric_value, rank0_events
 from ctj_stack.scenario import Lifecycle
 from ctj_stack.simulated import SimulatedStack
 
@@ -62,9 +62,11 @@ def test_one_job_through_a_node_loss_its_return_a_resize_and_a_delete(
     assert recoveries >= 1
 
     # a commit at world 2, so that growing back shows a planned transition's own save
-    attempt_2 = f"{name}-a{scenario.attempt}-0"
+    attempt_2 = scenario.attempt
     sim.wait(
-        lambda: any(e["event"] == "committed" for e in sim.trainer_events(ns, attempt_2)),
+        lambda: any(
+            e["event"] == "committed" for e in rank0_events(op_cluster, ns, name, attempt_2)
+        ),
         "a commit at world size 2",
         60,
     )

@@ -39,6 +39,7 @@ ALLOWED = [
     ("list", "pods", ""),
     ("watch", "pods", ""),
     ("create", "pods", ""),
+    ("patch", "pods", ""),  # a survivor's labels, kept for the next attempt
     ("delete", "pods", ""),
     ("create", "services", ""),
     ("create", "secrets", ""),  # a job's peer-cache token; never read back
@@ -53,7 +54,6 @@ ALLOWED = [
 ]
 DENIED = [
     ("update", "pods", ""),
-    ("patch", "pods", ""),
     ("create", "pods", "exec"),
     ("get", "secrets", ""),  # the last checkpoint comes from the job, not from S3
     ("list", "secrets", ""),

@@ -37,6 +37,8 @@ from ctj_stack.jobs import (
     job_manifest,
     job_pods,
     print_pod_logs,
+    rank0_events,
+    rank_pod,
     running,
     status,
     trainer_events,
@@ -84,9 +86,8 @@ def _steady(cluster: Cluster, ns: str, name: str) -> tuple[str, list[int]]:
 
 
 def _node_of_rank(cluster: Cluster, ns: str, name: str, attempt: int, rank: int) -> str:
-    pod = next(
-        p for p in job_pods(cluster, ns, name) if p.metadata.name == f"{name}-a{attempt}-{rank}"
-    )
+    pod = rank_pod(cluster, ns, name, attempt, rank)
+    assert pod is not None, f"no pod holds rank {rank} of attempt {attempt}"
     node: str = pod.spec.node_name
     assert node, f"{pod.metadata.name} has no node"
     return node
@@ -98,7 +99,7 @@ def assert_planned_handover(
     """Attempt ``before`` stopped at a step boundary it saved; the next (at ``world``)
     restored exactly that step, trains the next one first, and its samples continue
     exactly. (test_operator_lifecycle.py checks its scale-up and its resize with it.)"""
-    prev = trainer_events(cluster, ns, f"{name}-a{before}-0")
+    prev = rank0_events(cluster, ns, name, before)
     prev_steps = _of(prev, "step")
     assert len(prev_steps) >= 2, prev_steps
     last = prev_steps[-1]

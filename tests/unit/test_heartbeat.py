@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import os
 import subprocess
 import sys
 import threading
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from ctj_contract import HEARTBEAT_PATH, HeartbeatAsk, HeartbeatReply, LastCheckpoint
+from ctj_contract.launch import ASSIGNMENT_FILE, EXIT_FILE, Assignment, WorkerExit, write_atomic
 from ctj_operator.heartbeats import HeartbeatChannel, JobAsk, LoopClock, Rank
 from ctj_operator.observe import Freshness
 
@@ -37,15 +40,23 @@ class Commit:
 
 
 def endpoint(
-    tmp_path: Path, *, node_rank: int | None = 0, attempt: int = 2, latest: Commit | None = None
-) -> tuple[hb.HeartbeatEndpoint, list[bool]]:
-    ended: list[bool] = []
+    tmp_path: Path,
+    *,
+    node_rank: int | None = 0,
+    attempt: int = 2,
+    latest: Commit | None = None,
+    launch: Path | None = None,
+) -> tuple[hb.HeartbeatEndpoint, list[int]]:
+    """The endpoint serving ``tmp_path`` as its staging root; ``ended`` lists the attempts
+    it said were over, in order."""
+    ended: list[int] = []
     settings = hb.HeartbeatSettings(token=TOKEN, attempt=attempt, node_rank=node_rank)
     ep = hb.HeartbeatEndpoint(
         settings,
         latest=lambda: latest,
         root=tmp_path,
-        on_ended=lambda: ended.append(True),
+        launch=launch,
+        on_ended=ended.append,
         metrics=HeartbeatMetrics(CheckpointMetrics().registry),
     )
     return ep, ended
@@ -100,7 +111,165 @@ def test_the_attempt_ends_once_when_told_or_when_a_newer_one_asks(tmp_path: Path
     assert ended == []
     ask(ep, HeartbeatAsk(attempt=2, ended=True))
     ask(ep, HeartbeatAsk(attempt=3))
-    assert ended == [True] and ep.ended
+    assert ended == [2] and ep.ended
+
+
+def assignment(attempt: int, node_rank: int = 0, world_size: int = 2) -> Assignment:
+    return Assignment(
+        attempt=attempt,
+        node_rank=node_rank,
+        world_size=world_size,
+        nproc_per_node=1,
+        master_addr="demo-0.demo.ml.svc",
+        master_port=29500 + attempt,
+    )
+
+
+def test_a_newer_assignment_restarts_the_worker_in_place(tmp_path: Path) -> None:
+    """A pod kept from attempt 2 is assigned attempt 3: attempt 2 ends once, its trainers'
+    pulses and its checkpoint request go (the new worker must neither read as hung nor
+    stop at once), the assignment is written for the launcher, and the reply serves
+    attempt 3 and its node rank. The same assignment again changes nothing."""
+    launch = tmp_path / "launch"
+    ep, ended = endpoint(tmp_path, attempt=2, node_rank=1, launch=launch)
+    ask(ep, HeartbeatAsk(attempt=2, checkpoint_request="2-ScaleUp-9"))
+    for rank in (2, 3):
+        pulse_path(tmp_path, rank).write_bytes(b"7\n")
+    (tmp_path / "alive-dir").mkdir()  # not a pulse file: left alone
+    (tmp_path / "keep").write_bytes(b"not a pulse")
+    assert slots.read_request(tmp_path) == "2-ScaleUp-9"
+
+    new = assignment(3, node_rank=0)
+    reply = ask(ep, HeartbeatAsk(attempt=3, assignment=new))
+    assert (reply.attempt, reply.node_rank, reply.request_seen) == (3, 0, None)
+    assert ended == [2] and not ep.ended
+    assert Assignment.decode((launch / ASSIGNMENT_FILE).read_bytes()) == new
+    assert sorted(p.name for p in tmp_path.glob("alive-*")) == ["alive-dir"]
+    assert (tmp_path / "keep").exists()
+    assert slots.read_request(tmp_path) is None and ep.request_seen is None
+    assert reply.trainer_silent_s is None, "the old worker's pulses are gone"
+
+    written = (launch / ASSIGNMENT_FILE).stat()
+    pulse_path(tmp_path, 2).write_bytes(b"1\n")  # the new worker's pulse
+    again = ask(ep, HeartbeatAsk(attempt=3, assignment=new, checkpoint_request="3-ScaleUp-1"))
+    assert (again.attempt, again.node_rank, again.request_seen) == (3, 0, "3-ScaleUp-1")
+    assert ended == [2], "attempt 2 ends once"
+    after = (launch / ASSIGNMENT_FILE).stat()
+    assert (after.st_ino, after.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    assert pulse_path(tmp_path, 2).exists(), "the new worker's pulse is kept"
+    assert slots.read_request(tmp_path) == "3-ScaleUp-1"
+    assert LastCheckpoint.decode(again.last_checkpoint) is None  # nothing committed yet
+
+    ask(ep, HeartbeatAsk(attempt=3, ended=True, assignment=new))
+    assert ended == [2, 3] and ep.ended
+
+
+def test_an_older_assignment_or_ask_changes_nothing(tmp_path: Path) -> None:
+    """An ask older than the attempt served (a stale view of the job) neither moves the
+    pod back nor ends the attempt it serves."""
+    launch = tmp_path / "launch"
+    ep, ended = endpoint(tmp_path, attempt=4, node_rank=1, launch=launch)
+    pulse_path(tmp_path, 1).write_bytes(b"1\n")
+    for body in (
+        HeartbeatAsk(attempt=3, assignment=assignment(3, node_rank=0)),
+        HeartbeatAsk(attempt=3, ended=True, assignment=assignment(3, node_rank=0)),
+        HeartbeatAsk(attempt=4, assignment=assignment(4, node_rank=0)),  # served: no-op
+    ):
+        reply = ask(ep, body)
+        assert (reply.attempt, reply.node_rank) == (4, 1)
+    assert ended == [] and not (launch / ASSIGNMENT_FILE).exists()
+    assert pulse_path(tmp_path, 1).exists()
+
+
+def test_a_newer_ask_without_a_launch_dir_ends_the_attempt_but_is_not_relayed(
+    tmp_path: Path,
+) -> None:
+    ep, ended = endpoint(tmp_path, attempt=2, launch=None)
+    pulse_path(tmp_path, 0).write_bytes(b"1\n")
+    reply = ask(ep, HeartbeatAsk(attempt=3, assignment=assignment(3, node_rank=1)))
+    assert (reply.attempt, reply.node_rank, reply.worker_exit) == (2, 0, None)
+    assert ended == [2] and pulse_path(tmp_path, 0).exists()
+
+
+def test_an_assignment_that_cannot_be_written_is_not_adopted(tmp_path: Path) -> None:
+    """A file where the launch directory should be: the old attempt ends (the operator
+    said so), the pod keeps serving it and the operator asks again; once it can be
+    written, the assignment is adopted (attempt 2 still ends once)."""
+    launch = tmp_path / "launch"
+    launch.write_bytes(b"in the way")
+    ep, ended = endpoint(tmp_path, attempt=2, node_rank=1, launch=launch)
+    new = assignment(3, node_rank=0)
+    for _ in range(2):
+        reply = ask(ep, HeartbeatAsk(attempt=3, assignment=new))
+        assert (reply.attempt, reply.node_rank) == (2, 1)
+    assert ended == [2]
+    launch.unlink()
+    reply = ask(ep, HeartbeatAsk(attempt=3, assignment=new))
+    assert (reply.attempt, reply.node_rank) == (3, 0) and ended == [2]
+    assert Assignment.decode((launch / ASSIGNMENT_FILE).read_bytes()) == new
+
+
+def test_the_reply_reports_the_served_attempts_worker_exit(tmp_path: Path) -> None:
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    ep, _ = endpoint(tmp_path, attempt=2, launch=launch)
+    path = launch / EXIT_FILE
+    assert ask(ep, HeartbeatAsk(attempt=2)).worker_exit is None, "no file: running"
+    write_atomic(path, WorkerExit(attempt=2, code=1).encode())
+    assert ask(ep, HeartbeatAsk(attempt=2)).worker_exit == 1
+    write_atomic(path, WorkerExit(attempt=2, code=-9).encode())
+    assert ask(ep, HeartbeatAsk(attempt=2)).worker_exit == -9
+    write_atomic(path, WorkerExit(attempt=1, code=3).encode())
+    assert ask(ep, HeartbeatAsk(attempt=2)).worker_exit is None, "another attempt's exit"
+    # after an in-place restart, the old attempt's exit is not the new one's
+    write_atomic(path, WorkerExit(attempt=2, code=1).encode())
+    reply = ask(ep, HeartbeatAsk(attempt=3, assignment=assignment(3)))
+    assert reply.attempt == 3 and reply.worker_exit is None
+    write_atomic(path, WorkerExit(attempt=3, code=2).encode())
+    assert ask(ep, HeartbeatAsk(attempt=3)).worker_exit == 2
+
+
+def test_a_malformed_or_hostile_exit_file_is_no_exit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Garbage, a link (to a valid file), an oversized file, a FIFO, a directory: no exit
+    reported, the reply still made, and one warning per distinct trouble, not per beat."""
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    ep, _ = endpoint(tmp_path, attempt=2, launch=launch)
+    path = launch / EXIT_FILE
+    target = tmp_path / "valid-exit"
+    target.write_bytes(WorkerExit(attempt=2, code=1).encode())
+
+    def garbage() -> None:
+        path.write_bytes(b"not json")
+
+    def wrong_types() -> None:
+        path.write_bytes(b'{"attempt": 2, "code": true}')
+
+    def link() -> None:
+        path.symlink_to(target)
+
+    def big() -> None:
+        path.write_bytes(b'{"attempt": 2, "code": 1' + b" " * 10_000 + b"}")
+
+    def fifo() -> None:
+        os.mkfifo(path)
+
+    def directory() -> None:
+        path.mkdir()
+
+    for make in (garbage, fifo, wrong_types, directory, link, big):
+        if path.is_dir() and not path.is_symlink():
+            path.rmdir()
+        else:
+            path.unlink(missing_ok=True)
+        make()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ctj.heartbeat"):
+            for _ in range(3):
+                assert ask(ep, HeartbeatAsk(attempt=2)).worker_exit is None, make.__name__
+        assert len(caplog.records) == 1, (make.__name__, caplog.records)
 
 
 def test_the_reply_says_how_long_the_pods_trainers_have_not_run(tmp_path: Path) -> None:
@@ -331,9 +500,12 @@ def test_the_persister_knows_its_latest_commit(tmp_path: Path) -> None:
     assert found is not None and found.step == 3
 
 
-def test_a_commit_waiting_for_parts_stops_when_the_attempt_ends(tmp_path: Path) -> None:
-    """Rank 1's node is gone: its part never comes. Once the operator has ended the
-    attempt, rank 0's commit stops waiting (not the 600 s commit timeout)."""
+def test_a_commit_waiting_for_parts_stops_when_its_attempt_ends(tmp_path: Path) -> None:
+    """Rank 1's node is gone: its part never comes. Once the operator has ended attempt 3,
+    rank 0's commit of an attempt-3 save stops waiting (not the 600 s commit timeout), and
+    so does one of an older attempt, or of an attempt that is no number (as before: over
+    once any attempt ended). A save of attempt 4 (the worker restarted in place) is not
+    stopped by attempt 3's end: it waits for its parts up to its commit timeout."""
     from trainer_sidecar import CheckpointConfig
     from trainer_sidecar.errors import SaveFailed
     from trainer_sidecar.format.manifest import SaveIdentity
@@ -344,11 +516,24 @@ def test_a_commit_waiting_for_parts_stops_when_the_attempt_ends(tmp_path: Path) 
     persister = Persister(
         open_store(config.uri), config, root=tmp_path / "s", metrics=CheckpointMetrics()
     )
-    staged = types.SimpleNamespace(
-        step=20, save=SaveIdentity("a1", "0123456789abcdef"), world_size=2
-    )
-    threading.Timer(0.2, persister.attempt_ended).start()
+
+    def staged(attempt: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(
+            step=20, save=SaveIdentity(attempt, "0123456789abcdef"), world_size=2
+        )
+
+    threading.Timer(0.2, persister.attempt_ended, args=(3,)).start()
     started = time.monotonic()
     with pytest.raises(SaveFailed, match=r"attempt ended .* 0 of 2 ranks uploaded"):
-        persister._wait_for_parts(staged)  # type: ignore[arg-type]
+        persister._wait_for_parts(staged("3"))  # type: ignore[arg-type]
     assert time.monotonic() - started < config.commit_timeout_s / 10
+    persister.attempt_ended(2)  # an older attempt's end, later: attempt 3 is still over
+    for attempt in ("3", "2", "a1"):
+        with pytest.raises(SaveFailed, match=r"attempt ended"):
+            persister._wait_for_parts(staged(attempt))  # type: ignore[arg-type]
+
+    persister.config = dataclasses.replace(config, commit_timeout_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(SaveFailed, match=r"only 0 of 2 ranks uploaded within"):
+        persister._wait_for_parts(staged("4"))  # type: ignore[arg-type]
+    assert time.monotonic() - started >= 0.3, "waited for its parts"

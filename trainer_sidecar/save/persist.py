@@ -93,7 +93,7 @@ class Persister:
         self._watchers: dict[Watched, cf.Future[Manifest | None]] = {}
         self._lock = threading.Lock()
         self._latest: Manifest | None = None
-        self._attempt_over = threading.Event()
+        self._ended_attempt: int | None = None  # the newest attempt the operator ended
 
     # -- in-process completion: futures, no polling -----------------------------
 
@@ -135,13 +135,25 @@ class Persister:
 
     # -- one staged checkpoint ------------------------------------------------
 
-    def attempt_ended(self) -> None:
-        """The operator ended this pod's attempt (the sidecar's heartbeat Lease is gone): a
-        commit still waiting for other ranks' parts stops waiting, since those ranks are
-        being torn down or were lost with their node (a commit that waited would hold the
-        pod, and so the next attempt, for the rest of the shutdown grace). This rank's own
-        uploads go on."""
-        self._attempt_over.set()
+    def attempt_ended(self, attempt: int) -> None:
+        """The operator ended this pod's attempt ``attempt`` (it said so in its heartbeat):
+        a commit of that attempt (or an older one) still waiting for other ranks' parts
+        stops waiting, since those ranks are being torn down, restarted in place or were
+        lost with their node (a commit that waited would hold the pod, and so the next
+        attempt, for the rest of the shutdown grace). This rank's own uploads go on, and a
+        save of a newer attempt (the pod's worker restarted in place) commits as usual."""
+        with self._lock:
+            if self._ended_attempt is None or attempt > self._ended_attempt:
+                self._ended_attempt = attempt
+
+    def _attempt_over(self, save: SaveIdentity) -> bool:
+        """Whether ``save`` belongs to an attempt the operator ended. A save whose attempt
+        is not a number (not the operator's CTJ_ATTEMPT) is over once any attempt is."""
+        ended = self._ended_attempt
+        if ended is None:
+            return False
+        attempt = save.attempt
+        return not attempt.isdigit() or int(attempt) <= ended
 
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
@@ -262,11 +274,11 @@ class Persister:
                 raise SaveFailed(f"step {staged.step}: not committing, {why}")
             if len(state.ranks) >= staged.world_size:
                 return
-            if self._attempt_over.is_set():
+            if self._attempt_over(staged.save):
                 raise SaveFailed(
-                    f"step {staged.step}: the attempt ended (the operator deleted its heartbeat "
-                    f"Leases) with {len(state.ranks)} of {staged.world_size} ranks uploaded; "
-                    "not committing"
+                    f"step {staged.step}: the attempt ended (the operator said so in its "
+                    f"heartbeat) with {len(state.ranks)} of {staged.world_size} ranks "
+                    "uploaded; not committing"
                 )
             if time.monotonic() >= give_up or self._past_deadline():
                 raise SaveFailed(
