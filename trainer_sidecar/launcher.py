@@ -4,9 +4,11 @@ assignment, and keeps the pod up between attempts (``ctj_contract.launch``).
 ``python -m trainer_sidecar.launcher [--grace-seconds S] [--poll-seconds P] -- CMD...``
 starts CMD (the worker) with the pod's environment, then polls
 ``<staging>/launch/assignment.json``. An assignment newer than the attempt the worker runs
-stops the worker (SIGTERM to its process group, SIGKILL after the grace) and starts CMD
-again with the assignment's environment: a survivor of a failure joins the next attempt
-without a new pod (no scheduling, no image pull, its node cache kept). A worker that
+stops the worker (SIGTERM to its process group, SIGKILL after the grace: none by default,
+the attempt is over, its saves fenced, and a worker stuck in a collective with a lost
+peer would only spend it) and starts CMD again with the assignment's environment: a
+survivor of a failure joins the next attempt without a new pod (no scheduling, no image
+pull, its node cache kept). A worker that
 exits non-zero is reported in ``exit.json`` and the pod stays up for the operator's next
 assignment; one that exits 0 ends the launcher with 0.
 
@@ -293,8 +295,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--grace-seconds",
         type=float,
-        default=1.0,
-        help="SIGTERM to SIGKILL on a restart (default 1)",
+        default=0.0,
+        help="SIGTERM to SIGKILL on a restart (default 0: the old attempt is over)",
     )
     parser.add_argument(
         "--poll-seconds",

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ctj_contract import LABEL_RANK
+
 from .budget import format_budget, recovery_budget
 from .harness import Harness
 
@@ -101,6 +103,32 @@ class Lifecycle:
     attempt: int = 0  # the attempt running after the last step
     lost_node: str = ""
     committed_at_delete: int = 0
+
+    @property
+    def in_place(self) -> bool:
+        """Survivors restart in place (docs/operator.md): backend pods, and the example's
+        trainer command wrapped by the launcher, unless the spec turns it off."""
+        policy = self.spec.get("restartPolicy") or {}
+        return self.backend == "pods" and policy.get("inPlace", True) is not False
+
+    def _kept_in_place(self, before: list[Any], lost: str) -> None:
+        """The survivors of a lost node kept their pods (same UID) and their containers
+        were never restarted (the launcher restarted the worker); the next attempt carries
+        them as its lowest ranks, in their old order."""
+        c, ns, name = self.cluster, self.namespace, self.name
+        survivors = sorted((p for p in before if p.metadata.name != lost),
+                           key=lambda p: int(p.metadata.labels[LABEL_RANK]))  # fmt: skip
+        now = {p.metadata.name: p for p in c.attempt_pods(ns, name, self.attempt)}
+        for rank, old in enumerate(survivors):
+            kept = now.get(old.metadata.name)
+            assert kept is not None, f"survivor {old.metadata.name} was not kept: {sorted(now)}"
+            assert kept.metadata.uid == old.metadata.uid, f"{old.metadata.name} was recreated"
+            assert kept.metadata.labels[LABEL_RANK] == str(rank), kept.metadata.labels
+            restarts = {s.name: s.restart_count for s in kept.status.container_statuses or []}
+            assert set(restarts.values()) == {0}, f"{old.metadata.name} restarted: {restarts}"
+        carried = c.status(ns, name).get("carried") or []
+        assert carried == [p.metadata.name for p in survivors], carried
+        c.log(f"survivors kept their pods: {', '.join(carried)}")
 
     def _last_committed(self) -> int:
         return int((self.cluster.status(self.namespace, self.name).get("lastCheckpoint")
@@ -196,6 +224,8 @@ class Lifecycle:
         assert reason in ("HeartbeatLost", "NodeNotReady"), st["conditions"]
         for pod in c.attempt_pods(ns, name, self.attempt):
             assert c.node_of(pod) != node, f"{pod.metadata.name} is on the lost node"
+        if self.in_place:
+            self._kept_in_place(pods, victim.metadata.name)
         staged = {
             e["step"]: e["eval_loss"]
             for events in before.values()

@@ -5,6 +5,7 @@ machine, so a job's trainer runs examples/ from the checkout (ctj_stack.jobs.job
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal as signal_module
 from collections.abc import Callable
@@ -55,9 +56,15 @@ class SimulatedStack(Harness):
         """The process groups of the pod's trainer container: the local cluster runs each
         container as a group and names its leader's pid in the container ID
         (``ctj://<node>/<pid>``); under the ctj launcher the worker runs in a group of its
-        own, the leader's child."""
+        own, a descendant of the leader."""
         leader = int(self.trainer_container(namespace, pod)[1].rsplit("/", 1)[1])
-        return [*child_pids(leader), leader]
+        groups, todo = {leader}, child_pids(leader)
+        while todo:
+            pid = todo.pop()
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                groups.add(os.getpgid(pid))
+            todo += child_pids(pid)
+        return sorted(groups)
 
     def signal_trainer(self, namespace: str, pod: str, signal: str) -> None:
         for group in self.trainer_groups(namespace, pod):

@@ -227,6 +227,12 @@ class HeartbeatChannel:
         self.tracked.drop(key)
 
     def want(self, job: JobKey, ask: JobAsk) -> None:
+        """What to say to the job's ranks from now on; a change (an attempt ended or
+        started, a checkpoint request) is said at once, not at each rank's next beat."""
+        if self.jobs.get(job) != ask:
+            for key, rank in self.ranks.items():
+                if rank.job == job:
+                    self._due[key] = 0.0
         self.jobs[job] = ask
 
     def forget_job(self, job: JobKey) -> None:

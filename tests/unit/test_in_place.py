@@ -21,8 +21,8 @@ from ctj_operator.decisions import (
     PodView,
     job_state,
 )
-from ctj_operator.heartbeats import JobAsk, Rank
-from ctj_operator.observe import pod_view
+from ctj_operator.heartbeats import HeartbeatChannel, JobAsk, Rank
+from ctj_operator.observe import Freshness, pod_view
 from ctj_operator.render import Kind, Target, Verb, render
 from ctj_operator.spec import JobSpec
 
@@ -253,3 +253,20 @@ def test_a_worker_exit_reads_as_a_failed_rank_that_can_still_restart_in_place() 
     assert stale.phase == "Running", "an exit of the attempt before is not this one's"
     plain = pod_view({**summary, "launcher": False}, 30.0)
     assert not plain.relaunchable
+
+
+def test_a_changed_ask_goes_to_the_jobs_ranks_at_once_not_at_their_next_beat() -> None:
+    channel = HeartbeatChannel(b"k" * 32, Freshness())
+    pod = {"name": "demo-a1-0", "phase": "Running", "ip": "10.0.0.1", "attempt": 1, "rank": 0}
+    channel.track("ml", "demo", pod)
+    other = {**pod, "name": "other-a1-0", "ip": "10.0.0.2"}
+    channel.track("ml", "other", other)
+    running = JobState(phase="Running", attempt=1, world_size=1)
+    channel.want(("ml", "demo"), JobAsk.of("u-1", running, 1.0, job="demo", relaunches=True))
+    channel._due = {key: 1e18 for key in channel._due}  # every rank just asked
+    channel.want(("ml", "demo"), JobAsk.of("u-1", running, 1.0, job="demo", relaunches=True))
+    assert channel._due[("ml", "demo-a1-0")] == 1e18, "the same ask waits for the period"
+    ended = JobState(phase="Restarting", attempt=1, world_size=1)
+    channel.want(("ml", "demo"), JobAsk.of("u-1", ended, 1.0, job="demo", relaunches=True))
+    assert channel._due[("ml", "demo-a1-0")] == 0.0, "an attempt's end is said at once"
+    assert channel._due[("ml", "other-a1-0")] == 1e18, "to that job's ranks only"
