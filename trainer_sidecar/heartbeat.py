@@ -44,7 +44,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ctj_contract import Env, HeartbeatAsk, HeartbeatReply, LastCheckpoint, rfc3339
 from ctj_contract.launch import (
@@ -189,7 +189,7 @@ class HeartbeatEndpoint:
                 request_seen=self.request_seen,
                 last_checkpoint=self._report(),
                 trainer_silent_s=self.trainers.silent_s(),
-                worker_exit=self._worker_exit(),
+                **self._worker_exit(),
             )
         self._count(refused=False)
         return 200, "application/json", reply.encode()
@@ -230,23 +230,26 @@ class HeartbeatEndpoint:
             assignment.world_size,
         )
 
-    def _worker_exit(self) -> int | None:
-        """The served attempt's worker's exit status, where the launcher wrote one."""
+    def _worker_exit(self) -> dict[str, Any]:
+        """The served attempt's worker's exit status and last line, where the launcher
+        wrote them (the reply's ``worker_exit`` and ``worker_message``)."""
         if self.launch is None:
-            return None
+            return {}
         path = self.launch / EXIT_FILE
         try:
             raw = read_small(path)
             if raw is None:
-                return None
+                return {}
             found = WorkerExit.decode(raw)
         except (OSError, ValueError) as exc:
             what = f"{type(exc).__name__}: {exc}"
             if what != self._exit_warned:  # once per distinct trouble, not every beat
                 self._exit_warned = what
                 log.warning("heartbeat: ignoring %s: %s", path, what)
-            return None
-        return found.code if found.attempt == self.attempt else None
+            return {}
+        if found.attempt != self.attempt:
+            return {}
+        return {"worker_exit": found.code, "worker_message": found.message or None}
 
     def _report(self) -> str | None:
         if self.node_rank != 0:

@@ -10,7 +10,8 @@ peer would only spend it) and starts CMD again with the assignment's environment
 survivor of a failure joins the next attempt without a new pod (no scheduling, no image
 pull, its node cache kept). A worker that
 exits non-zero is reported in ``exit.json`` and the pod stays up for the operator's next
-assignment; one that exits 0 ends the launcher with 0.
+assignment; one that exits 0 ends the launcher with 0. On a warm spare (``CTJ_STANDBY=1``)
+no worker runs until the first assignment.
 
 The worker runs in its own session, so one signal to its process group reaches torchrun
 and every rank it started, and never the launcher. SIGTERM, SIGINT and SIGHUP to the
@@ -34,10 +35,12 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import IO
 
 from ctj_contract.env import Env
 from ctj_contract.launch import (
@@ -94,6 +97,47 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+TAIL_BYTES = 4096
+
+
+class Tail:
+    """The worker's output (stdout and stderr as one stream, in its order) passed on to
+    the launcher's stdout (the container's log), the last few KB of it kept: its last line
+    says why a failed worker failed, as the container's termination message would have
+    (terminationMessagePolicy FallbackToLogsOnError)."""
+
+    def __init__(self) -> None:
+        self._kept = b""
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def copy(self, source: IO[bytes], to_fd: int) -> None:
+        thread = threading.Thread(target=self._run, args=(source, to_fd), daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _run(self, source: IO[bytes], to_fd: int) -> None:
+        with source:
+            while chunk := os.read(source.fileno(), 65536):
+                with self._lock:
+                    self._kept = (self._kept + chunk)[-TAIL_BYTES:]
+                view = memoryview(chunk)
+                while view:
+                    try:
+                        view = view[os.write(to_fd, view) :]
+                    except OSError:  # our own output gone: keep draining the worker's
+                        break
+
+    def last_line(self, wait_s: float = 1.0) -> str:
+        """The last non-empty line, once the output ended (or ``wait_s`` passed)."""
+        deadline = time.monotonic() + wait_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            lines = self._kept.decode(errors="replace").splitlines()
+        return next((line.strip() for line in reversed(lines) if line.strip()), "")
+
+
 class Worker:
     """The command in its own session and process group (its group id is its pid). An
     ended worker is reaped only after its group is killed: its pid, and so the group's id,
@@ -101,7 +145,16 @@ class Worker:
 
     def __init__(self, cmd: Sequence[str], env: Mapping[str, str], attempt: int) -> None:
         self.attempt = attempt
-        self.proc = subprocess.Popen(list(cmd), env=dict(env), start_new_session=True)
+        self.proc = subprocess.Popen(
+            list(cmd),
+            env=dict(env),
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # one stream, in the order the worker wrote it
+        )
+        self.output = Tail()
+        assert self.proc.stdout is not None
+        self.output.copy(self.proc.stdout, sys.stdout.fileno())
 
     def exited(self) -> bool:
         """Whether the worker ended (left unreaped)."""
@@ -194,7 +247,11 @@ class Launcher:
 
     def run(self) -> int:
         self._clear_exit()
-        self._start(self._newer())
+        first = self._newer()
+        if first is None and os.environ.get(Env.STANDBY) == "1":
+            log.info("ctj launcher: a warm spare: no worker until an assignment makes it a rank")
+        else:
+            self._start(first)
         while True:
             if self.pending:
                 return self._on_signal(self.pending.pop(0))
@@ -229,6 +286,7 @@ class Launcher:
         env: Mapping[str, str] = os.environ
         if assignment is not None:
             env = {**os.environ, **assignment.environment()}
+            env.pop(Env.STANDBY, None)
             self.attempt = assignment.attempt
         log.info(
             "ctj launcher: attempt %d, %s: starting %s",
@@ -253,7 +311,7 @@ class Launcher:
     def _failed(self, worker: Worker, code: int) -> None:
         """The worker failed (and nothing it started outlives it): the sidecar reads why."""
         self.worker = None
-        ended = WorkerExit(worker.attempt, code)
+        ended = WorkerExit(worker.attempt, code, worker.output.last_line())
         assert self.exit_path is not None
         try:
             write_atomic(self.exit_path, ended.encode())

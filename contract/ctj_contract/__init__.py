@@ -72,6 +72,9 @@ LABEL_JOB = f"{GROUP}/job-name"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
 LABEL_RANK = f"{GROUP}/node-rank"
 LABEL_WORLD = f"{GROUP}/world-size"
+LABEL_SPARE = f"{GROUP}/spare"
+"""On a warm spare ("true"): a pod of no attempt yet, its launcher idle until an assignment
+makes it a rank (the label is removed then). It carries no attempt or rank label."""
 LABEL_LAUNCHER = f"{GROUP}/launcher"
 """On a pod whose trainer runs under the ctj launcher ("true"): it can be kept across an
 unplanned restart, its worker restarted in place (``ctj_contract.launch``)."""
@@ -196,7 +199,7 @@ class HeartbeatReply:
     None where no trainer of the pod has a pulse (starting, finished, not using ctj).
     ``worker_exit``: the exit status of this attempt's worker where it ended and the pod
     runs on under its launcher (minus the signal that killed it; ``ctj_contract.launch``),
-    None while it runs."""
+    None while it runs; ``worker_message`` the last line it printed."""
 
     attempt: int
     node_rank: int | None
@@ -204,6 +207,7 @@ class HeartbeatReply:
     last_checkpoint: str | None = None
     trainer_silent_s: float | None = None
     worker_exit: int | None = None
+    worker_message: str | None = None
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -216,6 +220,7 @@ class HeartbeatReply:
                     None if self.trainer_silent_s is None else round(self.trainer_silent_s, 3)
                 ),
                 "workerExit": self.worker_exit,
+                "workerMessage": self.worker_message,
             },
             separators=(",", ":"),
         ).encode()
@@ -239,6 +244,7 @@ class HeartbeatReply:
             _optional_str(found, "lastCheckpoint", "heartbeat reply"),
             None if silent is None else float(silent),
             code,
+            _optional_str(found, "workerMessage", "heartbeat reply"),
         )
 
 

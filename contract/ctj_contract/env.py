@@ -28,6 +28,8 @@ class Env:
     S3_SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
     # the trainer
     SAVE_EVERY = "CTJ_SAVE_EVERY"
+    STANDBY = "CTJ_STANDBY"
+    """"1" on a warm spare: its launcher starts no worker until an assignment arrives."""
     ATTEMPT = "CTJ_ATTEMPT"
     """Part of every save's identity: nothing an older attempt left can enter a commit."""
     NODE_RANK = "NODE_RANK"

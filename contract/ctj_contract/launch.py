@@ -44,6 +44,8 @@ MAX_FILE_BYTES = 4096
 LAUNCHER_MODULE = "trainer_sidecar.launcher"
 """What builders run in the trainer container: ``python -m`` this, ``--``, the command."""
 MAX_HOST_CHARS = 253  # a DNS name's length
+MAX_MESSAGE_CHARS = 300
+"""Of a failed worker's last line, what is kept (a condition quotes it)."""
 
 
 def launch_dir(staging_dir: str | os.PathLike[str]) -> Path:
@@ -147,14 +149,18 @@ class Assignment:
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerExit:
     """How the worker of ``attempt`` ended while its pod runs on: its exit status, or
-    minus the signal that killed it (as ``subprocess`` reports it)."""
+    minus the signal that killed it (as ``subprocess`` reports it), and the last line it
+    printed (what a failed container's termination message would have quoted)."""
 
     attempt: int
     code: int
+    message: str = ""
 
     def __post_init__(self) -> None:
         if self.attempt < 0 or not -128 < self.code < 256:
             raise ValueError(f"worker exit: bad values {self}")
+        if len(self.message) > MAX_MESSAGE_CHARS:
+            object.__setattr__(self, "message", self.message[: MAX_MESSAGE_CHARS - 3] + "...")
 
     def describe(self) -> str:
         if self.code < 0:
@@ -162,11 +168,14 @@ class WorkerExit:
                 name = signal.Signals(-self.code).name
             except ValueError:
                 name = f"signal {-self.code}"
-            return f"trainer killed by {name}"
-        return f"trainer exited {self.code}"
+            what = f"trainer killed by {name}"
+        else:
+            what = f"trainer exited {self.code}"
+        return f"{what}: {self.message}" if self.message else what
 
     def encode(self) -> bytes:
-        return json.dumps({"attempt": self.attempt, "code": self.code}).encode()
+        found = {"attempt": self.attempt, "code": self.code, "message": self.message}
+        return json.dumps(found).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> WorkerExit:
@@ -174,7 +183,10 @@ class WorkerExit:
         code = found.get("code")
         if not isinstance(code, int) or isinstance(code, bool):
             raise ValueError("worker exit: code is not an integer")
-        return cls(attempt=_int(found, "attempt", "worker exit"), code=code)
+        message = found.get("message", "")
+        if not isinstance(message, str):
+            raise ValueError("worker exit: message is not a string")
+        return cls(attempt=_int(found, "attempt", "worker exit"), code=code, message=message)
 
 
 def _json(raw: bytes, what: str) -> dict[str, Any]:

@@ -306,6 +306,7 @@ class Lifecycle:
         c, ns, name = self.cluster, self.namespace, self.name
         world = int(c.status(ns, name)["worldSize"])
         node_restarts, restarts = self._restart_counts()
+        pods = c.attempt_pods(ns, name, self.attempt)
         victim = c.victim(ns, name, self.attempt)
         committed_before = self._last_committed()
         stopped_at = time.time()
@@ -317,6 +318,8 @@ class Lifecycle:
             "a hung rank is the job's failure, not a node's"
         )
         assert not st.get("suspectNodes"), "the node of a hung trainer is not suspect"
+        if self.in_place:  # the others restarted in place; the stuck pod was replaced
+            self._kept_in_place(pods, victim.metadata.name)
         recovery = self._recovery_since(stopped_at)
         hang = NodeLoss(victim.spec.node_name, victim.metadata.name, stopped_at,
                         committed_before, st, restored, first, None, recovery)  # fmt: skip

@@ -22,7 +22,7 @@ from ctj_contract import GROUP, PLURAL, VERSION
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from .decisions import Action, CreateAttempt
+from .decisions import Action, CreateAttempt, CreateSpares
 from .render import Call, Kind, Rendered, Verb
 
 log = logging.getLogger("ctj.operator")
@@ -181,6 +181,10 @@ def apply(
             except _StaleView:
                 return Outcome(rv, stale=True)
             except ApiException as exc:
+                if isinstance(action, CreateSpares) and not _retryable(exc):
+                    # a spare over quota or refused by admission: the job runs without it
+                    log.warning("a warm spare was refused: %s", _api_message(exc))
+                    continue
                 if not isinstance(action, CreateAttempt) or _retryable(exc):
                     raise
                 if _namespace_terminating(exc):  # the job goes with its namespace

@@ -21,6 +21,7 @@ from ctj_contract import (
     LABEL_JOB,
     LABEL_LAUNCHER,
     LABEL_RANK,
+    LABEL_SPARE,
     LABEL_WORLD,
     VERSION,
     Assignment,
@@ -339,12 +340,14 @@ def rank_footprint(spec: JobSpec) -> dict[str, Any]:
     return footprint
 
 
-def _place(pod_spec: dict[str, Any], job: str, attempt: int, avoid: tuple[str, ...]) -> None:
-    """One node rank per node (losing a node loses one rank, not several), off ``avoid``."""
+def _place(pod_spec: dict[str, Any], job: str, avoid: tuple[str, ...]) -> None:
+    """One pod of the job per node (losing a node loses one rank, not several; a spare is
+    never beside a rank), off ``avoid``. Pods of an ended attempt are gone before the next
+    one's are made, but for those it keeps (in-place restart), which hold their nodes."""
     pod_spec.setdefault("affinity", {})["podAntiAffinity"] = {
         "requiredDuringSchedulingIgnoredDuringExecution": [
             {
-                "labelSelector": {"matchLabels": {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt)}},
+                "labelSelector": {"matchLabels": {LABEL_JOB: job}},
                 "topologyKey": "kubernetes.io/hostname",
             }
         ]
@@ -397,7 +400,6 @@ def build_pod(
     where empty, are ``pod_name(job, attempt, rank)``."""
     job = body["metadata"]["name"]
     by_rank = [names[r] if r < len(names) else pod_name(job, attempt, r) for r in range(world_size)]
-    name = by_rank[node_rank]
     place = Assignment(
         attempt=attempt,
         node_rank=node_rank,
@@ -406,28 +408,66 @@ def build_pod(
         master_addr=master_addr(job, by_rank[0]),
         master_port=master_port(attempt),
     )
-    env = [{"name": k, "value": v} for k, v in place.environment().items()]
+    labels = rank_labels(job, attempt, node_rank, world_size)
+    return _pod(body, spec, uri, by_rank[node_rank], labels, place.environment(), by_rank,
+                (attempt, node_rank), avoid)  # fmt: skip
+
+
+def spare_name(job: str, attempt: int, index: int) -> str:
+    """A warm spare made during ``attempt`` (index < 10000: no longer than a rank's name)."""
+    return f"{job}-a{attempt}-s{index}"
+
+
+def build_spare(
+    body: dict[str, Any],
+    spec: JobSpec,
+    *,
+    uri: str,
+    name: str,
+    peers: Sequence[str],
+    avoid: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """A warm spare: the pod a rank's would be, its launcher idle (``Env.STANDBY``) and its
+    sidecar of attempt 0 with no rank, until an assignment makes it a rank (the operator
+    relabels it, ``rank_labels``). ``peers``: the current attempt's pods, by node rank."""
+    job = body["metadata"]["name"]
+    labels = {LABEL_JOB: job, LABEL_SPARE: "true"}
+    env = {Env.STANDBY: "1", Env.ATTEMPT: "0"}
+    return _pod(body, spec, uri, name, labels, env, peers, (0, None), avoid)
+
+
+def _pod(
+    body: dict[str, Any],
+    spec: JobSpec,
+    uri: str,
+    name: str,
+    labels: Mapping[str, str],
+    trainer_env: Mapping[str, str],
+    peer_pods: Sequence[str],
+    heartbeat: tuple[int, int | None],
+    avoid: tuple[str, ...],
+) -> dict[str, Any]:
+    job = body["metadata"]["name"]
+    env = [{"name": k, "value": v} for k, v in trainer_env.items()]
     pod_spec = _trainer_pod_spec(spec, uri, env)
     if spec.relaunches:
         _launched(pod_spec["containers"][0])
-    peers = [f"{pod}.{job}:{CACHE_PORT}" for pod in by_rank]
-    _node_cache(pod_spec, spec, body, peers)
+    _node_cache(pod_spec, spec, body, [f"{pod}.{job}:{CACHE_PORT}" for pod in peer_pods])
     sidecar = pod_spec["initContainers"][-1]
-    _merge_env(sidecar, _heartbeat_env(body, attempt, node_rank))
+    _merge_env(sidecar, _heartbeat_env(body, *heartbeat))
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = job
-    _place(pod_spec, job, attempt, avoid)
+    _place(pod_spec, job, avoid)
     template_meta = spec.template.get("metadata") or {}
-    labels = dict(template_meta.get("labels") or {})
-    labels.update(rank_labels(job, attempt, node_rank, world_size))
+    all_labels = {**(template_meta.get("labels") or {}), **labels}
     if spec.relaunches:
-        labels[LABEL_LAUNCHER] = "true"
+        all_labels[LABEL_LAUNCHER] = "true"
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": name,
-            "labels": labels,
+            "labels": all_labels,
             "annotations": dict(template_meta.get("annotations") or {}),
             "ownerReferences": [owner_reference(body)],
         },
@@ -475,7 +515,7 @@ def build_pytorchjob(
     # the controller's per-pod headless Services are named like the pods
     peers = [f"{rank_pod_name(spec, job, attempt, r)}:{CACHE_PORT}" for r in range(world_size)]
     _node_cache(pod_spec, spec, body, peers)
-    _place(pod_spec, job, attempt, avoid)
+    _place(pod_spec, job, avoid)
     labels = {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt), LABEL_WORLD: str(world_size)}
     template_meta = spec.template.get("metadata") or {}
     replicas: dict[str, Any] = {}

@@ -22,6 +22,7 @@ from typing import Any
 
 from ctj_contract import Condition, Phase, parse_time, rfc3339
 
+from .builders import spare_name
 from .spec import JobSpec
 
 MAX_BACKOFF_S = 300.0
@@ -65,6 +66,8 @@ class PodView:
     relaunchable: bool = False
     """The pod runs, under the ctj launcher: it can be kept for the next attempt and its
     worker restarted in place (even where its worker failed: ``phase`` then says Failed)."""
+    spare: bool = False
+    """A warm spare (spec.spares): of no attempt (``attempt`` 0) until one carries it."""
 
     @property
     def beating(self) -> bool:
@@ -114,6 +117,7 @@ class JobState:
     carried: tuple[str, ...] = ()
     """Pods of the current attempt kept from the one before, by node rank (0..k-1): their
     names say the attempt that made them."""
+    spares: int = 0  # warm spares running, as last written
 
     def condition(self, kind: Condition) -> Mapping[str, Any]:
         """The condition of type ``kind`` as read ({} where the job has none)."""
@@ -160,6 +164,8 @@ class Observation:
     refused: str = ""
     """Why the API refused an object of the current attempt as it was created (422,
     quota, admission), as the last reconcile's apply reported it; "" where it did not."""
+    job: str = ""
+    """The job's name (what the spares it makes are named after)."""
 
 
 # ---- the actions a plan is made of (handlers.py applies each) ----
@@ -208,6 +214,15 @@ class CreateAttempt:
     world_size: int
     avoid: tuple[str, ...] = ()  # suspect nodes: kept off by node affinity (they read Ready)
     carried: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CreateSpares:
+    """Warm spares named ``names``; ``peers``: the running attempt's pods by node rank."""
+
+    names: tuple[str, ...]
+    peers: tuple[str, ...]
+    avoid: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -262,6 +277,7 @@ class Recovered:
 Action = (
     PatchStatus
     | CreateAttempt
+    | CreateSpares
     | DeletePods
     | DeleteAttempt
     | DeleteJob
@@ -462,7 +478,10 @@ def _older(obs: Observation) -> list[Action]:
     names = tuple(
         p.name
         for p in obs.pods
-        if p.attempt < state.attempt and not p.terminating and p.name not in state.carried
+        if p.attempt < state.attempt
+        and not p.terminating
+        and not p.spare
+        and p.name not in state.carried
     )
     return [DeletePods(names)] if names else []
 
@@ -582,10 +601,11 @@ def _finished(obs: Observation) -> Plan:
     running = tuple(
         p.name
         for p in obs.pods
-        if state.phase == "Failed"
-        and p.attempt == state.attempt
-        and not p.terminating
-        and p.phase not in TERMINAL
+        if not p.terminating
+        and (
+            p.spare  # a finished job needs no spare
+            or (state.phase == "Failed" and p.attempt == state.attempt and p.phase not in TERMINAL)
+        )
     )
     requeue = None if ttl is None or finished is None else max(0.0, finished + ttl - obs.now)
     return Plan((*_older(obs), *([DeletePods(running)] if running else [])), requeue_after=requeue)
@@ -606,7 +626,7 @@ def deadline_passed(obs: Observation) -> str:
 def _active(obs: Observation) -> Plan:
     state = obs.state
     actions = _older(obs)
-    current = [p for p in obs.pods if p.attempt == state.attempt]
+    current = [p for p in obs.pods if p.attempt == state.attempt and not p.spare]
     late = deadline_passed(obs)
     if late:
         return _fail(obs, current, "DeadlineExceeded", late, actions)
@@ -679,9 +699,49 @@ def _running(obs: Observation, current: Sequence[PodView], actions: list[Action]
         requeue = spec.stabilization_seconds - (now - since)
     elif state.capacity_since is not None:
         update["capacitySince"] = None
-    if update:
-        actions.append(PatchStatus(update))
-    return Plan(tuple(actions), requeue_after=requeue)
+    spares = _spare_upkeep(obs, current, all_running, suspect)
+    running_spares = sum(1 for p in obs.pods if p.spare and p.relaunchable)
+    if running_spares != (obs.state.spares or 0):
+        update["spares"] = running_spares
+    if update or spares:
+        actions.append(PatchStatus(update))  # first: a stale view acts on nothing
+    return Plan((*actions, *spares), requeue_after=requeue)
+
+
+def _spare_upkeep(
+    obs: Observation, current: Sequence[PodView], all_running: bool, suspect: Mapping[str, float]
+) -> list[Action]:
+    """Keep spec.spares warm spares while the attempt runs: replace one that failed or
+    whose node is gone, remove those past the count, make the missing ones once every rank
+    runs (never competing with the attempt's own start). A spare that cannot be placed
+    waits Pending, as a rank would."""
+    spec, state = obs.spec, obs.state
+    live = _live_nodes(obs, suspect)
+    spares = sorted((p for p in obs.pods if p.spare and not p.terminating), key=lambda p: p.name)
+    dead = [p for p in spares if p.phase in TERMINAL or (p.node_name and p.node_name not in live)]
+    alive = [p for p in spares if p not in dead]
+    wanted = spec.spares if spec.relaunches else 0
+    extra = alive[wanted:]
+    actions: list[Action] = []
+    forced = tuple(p.name for p in dead if p.node_name and p.node_name not in live)
+    if forced:
+        actions.append(DeletePods(forced, force=True))
+    graceful = tuple(p.name for p in [*dead, *extra] if p.name not in forced)
+    if graceful:
+        actions.append(DeletePods(graceful))
+    missing = wanted - len(alive)
+    if missing > 0 and all_running:
+        taken = {p.name for p in obs.pods}
+        names: list[str] = []
+        index = 0
+        while len(names) < missing:
+            name = spare_name(obs.job, state.attempt, index)
+            if name not in taken:
+                names.append(name)
+            index += 1
+        peers = tuple(p.name for p in sorted(current, key=lambda p: p.node_rank))
+        actions.append(CreateSpares(tuple(names), peers, tuple(sorted(suspect))))
+    return actions
 
 
 def _begin_transition(
@@ -900,13 +960,20 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
             actions.append(Emit("Warning", "InsufficientNodes", message))
         return Plan(tuple(actions), requeue_after=5.0, note="insufficient nodes")
     attempt = state.attempt + 1
-    carried = tuple(p.name for p in sorted(kept, key=lambda p: p.node_rank)[:target])
+    spares = sorted(
+        (p for p in obs.pods if p.spare and p.relaunchable and p.node_name in live),
+        key=lambda p: p.name,
+    )
+    warm = [*sorted(kept, key=lambda p: p.node_rank), *spares]  # spares take the lost ranks
+    carried = tuple(p.name for p in warm[:target])
     dropped = tuple(p.name for p in kept if p.name not in carried)
     if dropped:  # the job shrank below its survivors (spec.replicas, or fewer nodes fit)
         actions.append(DeletePods(dropped))
     message = f"attempt {attempt} at world size {target}"
+    taken = [p for p in spares if p.name in carried]
     if carried:
-        message += f", {len(carried)} pods kept (their workers restart in place)"
+        message += f", {len(carried)} pods kept (their workers restart in place"
+        message += f"; {len(taken)} of them spares)" if taken else ")"
     start: dict[str, Any] = {
         **update,
         "phase": "Running",
@@ -992,4 +1059,5 @@ def job_state(status: Mapping[str, Any]) -> JobState:
         start_time=parse_time(status["startTime"]) if status.get("startTime") else None,
         survivors=tuple(str(n) for n in status.get("survivors") or ()),
         carried=tuple(str(n) for n in status.get("carried") or ()),
+        spares=int(status.get("spares") or 0),
     )

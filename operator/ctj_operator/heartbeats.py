@@ -307,7 +307,8 @@ class HeartbeatChannel:
                 self.workers.drop(key)
             else:
                 with contextlib.suppress(ValueError):  # a code out of range: not an exit
-                    self.workers.see(key, WorkerExit(reply.attempt, reply.worker_exit))
+                    ended = WorkerExit(reply.attempt, reply.worker_exit, reply.worker_message or "")
+                    self.workers.see(key, ended)
         found = LastCheckpoint.decode(reply.last_checkpoint) if rank.node_rank == 0 else None
         best = self._reports.get(rank.job)
         if found is not None and (best is None or found.step > best.step):

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
-from ctj_contract import LABEL_ATTEMPT, LABEL_JOB, LABEL_LAUNCHER, LABEL_RANK
+from ctj_contract import LABEL_ATTEMPT, LABEL_JOB, LABEL_LAUNCHER, LABEL_RANK, LABEL_SPARE
 from ctj_contract.launch import WorkerExit
 
 from . import capacity
@@ -95,6 +95,7 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         "reason": status.get("reason"),
         "waiting": waiting,
         "launcher": labels.get(LABEL_LAUNCHER) == "true",
+        "spare": labels.get(LABEL_SPARE) == "true",
     }
 
 
@@ -124,6 +125,7 @@ def pod_view(
         waiting=s["waiting"],
         phase_age=age,
         relaunchable=running and s.get("launcher", False),
+        spare=s.get("spare", False),
     )
 
 
@@ -271,7 +273,7 @@ def observe(
     failure = ""
     if spec.backend == Backend.PYTORCHJOB and state.attempt and state.pods_created:
         failure = _pytorchjob_failure(key, state.attempt, indexes.pytorchjobs, read_pytorchjob)
-    current = [p for p in pods if p.attempt == state.attempt]
+    current = [p for p in pods if p.attempt == state.attempt and not p.spare]
     beats = {p.node_rank: marks.beats.silent_for((namespace, p.name)) for p in current}
     used = _used_by_others(indexes, key)  # what other jobs' pods hold on each node
     fit = capacity.fitting_nodes_with(rank_footprint(spec), nodes, used)
@@ -301,6 +303,7 @@ def observe(
         generation=generation,
         selector=job_selector(name),
         refused=refused,
+        job=name,
     )
 
 

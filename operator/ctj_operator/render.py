@@ -14,12 +14,13 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from ctj_contract import GROUP, KIND, VERSION
+from ctj_contract import GROUP, KIND, LABEL_SPARE, VERSION
 
 from . import builders
 from .decisions import (
     Action,
     CreateAttempt,
+    CreateSpares,
     DeleteAttempt,
     DeleteJob,
     DeletePods,
@@ -145,7 +146,10 @@ def _(action: CreateAttempt, target: Target) -> tuple[Call, ...]:
     calls.append(create(Kind.SERVICE, builders.build_service(body)))
     carried = action.carried
     for rank, pod_name in enumerate(carried):  # before any create: the anti-affinity sees them
-        labels = builders.rank_labels(target.name, attempt, rank, world_size)
+        labels: dict[str, str | None] = {
+            **builders.rank_labels(target.name, attempt, rank, world_size),
+            LABEL_SPARE: None,  # a spare taking a rank is one no more
+        }
         patch = {"metadata": {"labels": labels}}
         calls.append(Call(verb=Verb.PATCH, kind=Kind.POD, namespace=ns, name=pod_name, body=patch))
     for rank in range(len(carried), world_size):
@@ -155,6 +159,22 @@ def _(action: CreateAttempt, target: Target) -> tuple[Call, ...]:
         )  # fmt: skip
         calls.append(create(Kind.POD, pod))
     return tuple(calls)
+
+
+@render.register
+def _(action: CreateSpares, target: Target) -> tuple[Call, ...]:
+    spec, body, ns = target.job_spec(), dict(target.body), target.namespace
+    return tuple(
+        Call(
+            verb=Verb.CREATE,
+            kind=Kind.POD,
+            namespace=ns,
+            body=builders.build_spare(
+                body, spec, uri=target.uri, name=name, peers=action.peers, avoid=action.avoid
+            ),
+        )
+        for name in action.names
+    )
 
 
 @render.register

@@ -120,6 +120,8 @@ class JobSpec:
     max_restarts: int = 10
     backoff_seconds: float = 2.0
     reset_after_seconds: float = 600.0  # crashes are forgiven after this long healthy
+    spares: int = 0
+    """Warm spares kept running beside the ranks (spec.spares); needs ``relaunches``."""
     in_place: bool = True
     """restartPolicy.inPlace: survivors keep their pods across an unplanned restart (where
     ``relaunches``)."""
@@ -152,6 +154,11 @@ class JobSpec:
         if not containers:
             raise SpecError("spec.template.spec.containers is empty: add the trainer container")
         object.__setattr__(self, "backend", _backend(self.backend))
+        if self.spares and not self.relaunches:
+            raise SpecError(
+                f"spec.spares={self.spares} needs in-place restart: backend pods, the trainer "
+                "container's command set, restartPolicy.inPlace true; or set spec.spares: 0"
+            )
 
     @property
     def relaunches(self) -> bool:
@@ -202,6 +209,7 @@ class JobSpec:
             backoff_seconds=float(restart.get("backoffSeconds", 2.0)),
             reset_after_seconds=float(restart.get("resetAfterSeconds", 600.0)),
             in_place=bool(restart.get("inPlace", True)),
+            spares=int(spec.get("spares", 0)),
             scale_up=bool(scale.get("enabled", True)),
             stabilization_seconds=float(scale.get("stabilizationSeconds", 60.0)),
             detection=DetectionSpec(

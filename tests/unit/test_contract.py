@@ -208,7 +208,11 @@ def test_every_environment_name_the_operator_writes_is_the_contract_s() -> None:
     )
     for spec in (job_spec(), job_spec(node_cache=False), seeded):
         pod = builders.build_pod(BODY, spec, uri="s3://b/p", attempt=1, world_size=2, node_rank=0)
-        for container in (*pod["spec"]["initContainers"], *pod["spec"]["containers"]):
+        spare = builders.build_spare(BODY, spec, uri="s3://b/p", name="s", peers=["p0"])
+        for container in (
+            *pod["spec"]["initContainers"], *pod["spec"]["containers"],
+            *spare["spec"]["initContainers"], *spare["spec"]["containers"],
+        ):  # fmt: skip
             written |= {e["name"] for e in container.get("env") or []}
     ours = {name for name in written if name.startswith(("CTJ_", "AWS_"))} | {"NODE_RANK"}
     assert ours <= contract

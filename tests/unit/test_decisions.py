@@ -98,6 +98,7 @@ def observe(
         now=now,
         controller_failure=controller_failure,
         refused=refused,
+        job="job",
     )
 
 

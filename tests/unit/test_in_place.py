@@ -10,21 +10,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from ctj_contract import LABEL_ATTEMPT, LABEL_RANK, LABEL_WORLD
+import pytest
+from ctj_contract import LABEL_ATTEMPT, LABEL_RANK, LABEL_SPARE, LABEL_WORLD
 from ctj_contract.launch import LAUNCHER_MODULE, WorkerExit
 from ctj_operator import builders
 from ctj_operator.decisions import (
     CreateAttempt,
+    CreateSpares,
     DeletePods,
     JobState,
     NodeView,
+    PatchStatus,
     PodView,
     job_state,
 )
 from ctj_operator.heartbeats import HeartbeatChannel, JobAsk, Rank
 from ctj_operator.observe import Freshness, pod_view
 from ctj_operator.render import Kind, Target, Verb, render
-from ctj_operator.spec import JobSpec
+from ctj_operator.spec import JobSpec, SpecError
 
 from .test_decisions import decide, nodes, observe, spec
 
@@ -270,3 +273,84 @@ def test_a_changed_ask_goes_to_the_jobs_ranks_at_once_not_at_their_next_beat() -
     channel.want(("ml", "demo"), JobAsk.of("u-1", ended, 1.0, job="demo", relaunches=True))
     assert channel._due[("ml", "demo-a1-0")] == 0.0, "an attempt's end is said at once"
     assert channel._due[("ml", "other-a1-0")] == 1e18, "to that job's ranks only"
+
+
+def spare(name: str, node: str, phase: str = "Running", **kw: Any) -> PodView:
+    return PodView(name, 0, 0, phase, node, relaunchable=phase == "Running", spare=True, **kw)
+
+
+def test_a_spare_takes_the_lost_rank_at_the_same_world_size() -> None:
+    the_nodes = [NodeView(n, n != "n1") for n in ("n0", "n1", "n2", "n3")]
+    warm = spare("job-a1-s0", "n3")
+    ended = decide(observe(RUNNING, [*ranks(3), warm], the_nodes, job=in_place(spares=1)))
+    assert ended.status()["survivors"] == ["a1-0", "a1-2"]
+    assert "job-a1-s0" not in [
+        n for d in ended.actions if isinstance(d, DeletePods) for n in d.names
+    ]
+
+    state = job_state(ended.status() | {"worldSize": 3, "attempt": 1, "conditions": []})
+    survivors = [p for p in ranks(3) if p.name != "a1-1"]
+    started = decide(observe(state, [*survivors, warm], the_nodes, job=in_place(spares=1)))
+    (create,) = [a for a in started.actions if isinstance(a, CreateAttempt)]
+    assert create.world_size == 3, "no resharding: the spare holds the lost rank"
+    assert create.carried == ("a1-0", "a1-2", "job-a1-s0")
+
+
+def test_spares_are_made_once_every_rank_runs_and_replaced_when_lost() -> None:
+    job = in_place(spares=1)
+    plan = decide(observe(RUNNING, ranks(3), nodes(4), job=job))
+    (made,) = [a for a in plan.actions if isinstance(a, CreateSpares)]
+    assert made.names == ("job-a1-s0",)
+    assert made.peers == ("a1-0", "a1-1", "a1-2")
+    assert isinstance(plan.actions[0], PatchStatus), "a stale view makes no spare"
+
+    starting = [*ranks(2), PodView("a1-2", 1, 2, "Pending", None)]
+    assert not [
+        a
+        for a in decide(observe(RUNNING, starting, nodes(4), job=job)).actions
+        if isinstance(a, CreateSpares)
+    ]
+
+    lost = [NodeView(n, n != "n3") for n in ("n0", "n1", "n2", "n3")]
+    replaced = decide(observe(RUNNING, [*ranks(3), spare("job-a1-s0", "n3")], lost, job=job))
+    assert [(d.names, d.force) for d in replaced.actions if isinstance(d, DeletePods)] == [
+        (("job-a1-s0",), True)
+    ]
+    (again,) = [a for a in replaced.actions if isinstance(a, CreateSpares)]
+    assert again.names == ("job-a1-s1",), "a new name while the lost one goes"
+
+    fewer = decide(
+        observe(RUNNING, [*ranks(3), spare("job-a1-s0", "n3")], nodes(4), job=in_place())
+    )
+    assert ("job-a1-s0",) in [d.names for d in fewer.actions if isinstance(d, DeletePods)]
+
+
+def test_a_finished_job_keeps_no_spare_and_spares_need_in_place() -> None:
+    done = JobState(phase="Succeeded", attempt=1, world_size=3)
+    plan = decide(
+        observe(
+            done,
+            [*ranks(3, phase="Succeeded"), spare("job-a1-s0", "n3")],
+            nodes(4),
+            job=in_place(spares=1),
+        )
+    )
+    assert ("job-a1-s0",) in [d.names for d in plan.actions if isinstance(d, DeletePods)]
+    with pytest.raises(SpecError, match="spec.spares=1 needs in-place restart"):
+        spec(spares=1)
+
+
+def test_a_spare_runs_the_launcher_idle_and_becomes_a_rank_by_its_labels() -> None:
+    pod = builders.build_spare(BODY, in_place(), uri="u", name="demo-a1-s0", peers=["demo-a1-0"])
+    labels = pod["metadata"]["labels"]
+    assert (
+        labels[LABEL_SPARE] == "true" and LABEL_ATTEMPT not in labels and LABEL_RANK not in labels
+    )
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["CTJ_STANDBY"] == "1" and env["CTJ_ATTEMPT"] == "0" and "RANK" not in env
+    assert pod["spec"]["containers"][0]["command"][:3] == ["python", "-m", LAUNCHER_MODULE]
+    target = Target(body=BODY, spec=in_place(spares=1), uri="s3://b/p")
+    (patch,) = [
+        c for c in render(CreateAttempt(2, 1, (), ("demo-a1-s0",)), target) if c.kind == Kind.POD
+    ]
+    assert patch.body["metadata"]["labels"][LABEL_SPARE] is None, "no longer a spare"

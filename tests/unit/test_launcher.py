@@ -60,6 +60,8 @@ tmp = reports / f".{os.getpid()}"
 tmp.write_text(json.dumps(record))
 os.replace(tmp, reports / f"{os.getpid()}.json")
 if mode.startswith("exit=") and os.environ["CTJ_ATTEMPT"] == first:
+    print("training, then a fault", flush=True)
+    print(f"spec.checkpoint.resumeFrom: nothing to resume; exiting {mode[5:]}", file=sys.stderr)
     sys.exit(int(mode[5:]))
 while True:
     signal.pause()
@@ -104,13 +106,14 @@ class Pod:
         self.exit = tmp_path / "launch" / EXIT_FILE
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, mode: str, *opts: str, staging: bool = True) -> subprocess.Popen[bytes]:
+    def start(
+        self, mode: str, *opts: str, staging: bool = True, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "trainer_sidecar.launcher", "--poll-seconds", "0.05"]
         cmd += [*opts, "--", sys.executable, "-c", WORKER, str(self.reports_dir), mode]
+        environment = {**child_env(self.staging if staging else None), **(env or {})}
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                cmd, env=child_env(self.staging if staging else None), stdout=log, stderr=log
-            )
+            self.proc = subprocess.Popen(cmd, env=environment, stdout=log, stderr=log)
         return self.proc
 
     def reports(self) -> list[dict[str, Any]]:
@@ -169,6 +172,17 @@ def test_a_newer_assignment_restarts_the_worker_in_place(pod: Pod) -> None:
     assert second["env"]["RANK"] == "0" and second["env"]["WORLD_SIZE"] == "6"
 
 
+def test_a_warm_spare_runs_no_worker_until_an_assignment_makes_it_a_rank(pod: Pod) -> None:
+    launcher = pod.start("idle", env={Env.STANDBY: "1", Env.ATTEMPT: "0"})
+    wait_for(lambda: "warm spare" in pod.log.read_text(), "the launcher to stand by")
+    assert pod.reports() == [] and launcher.poll() is None
+    write_atomic(pod.assignment, NEWER.encode())
+    first = pod.worker(1)
+    expected = NEWER.environment()
+    assert first["env"] == {k: expected[k] for k in KEYS}
+    assert first["ppid"] == launcher.pid
+
+
 def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace(pod: Pod) -> None:
     launcher = pod.start("ignore-term", "--grace-seconds", "0.3")
     first = pod.worker(1)
@@ -185,7 +199,9 @@ def test_a_failed_worker_is_reported_and_the_pod_waits_for_the_next_assignment(
     launcher = pod.start("exit=3")
     pod.worker(1)
     wait_for(pod.exit.exists, "the exit file")
-    assert WorkerExit.decode(pod.exit.read_bytes()) == WorkerExit(POD.attempt, 3)
+    why = "spec.checkpoint.resumeFrom: nothing to resume; exiting 3"
+    assert WorkerExit.decode(pod.exit.read_bytes()) == WorkerExit(POD.attempt, 3, why)
+    assert why in pod.log.read_text(), "the worker's output still reaches the container log"
     assert launcher.poll() is None, "the launcher keeps the pod up"
     write_atomic(pod.assignment, NEWER.encode())
     assert pod.worker(2)["env"]["CTJ_ATTEMPT"] == str(NEWER.attempt)

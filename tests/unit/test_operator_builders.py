@@ -136,7 +136,6 @@ def test_pod_identity_labels_dns_and_one_rank_per_node() -> None:
     (term,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["labelSelector"]["matchLabels"] == {
         LABEL_JOB: "demo",
-        LABEL_ATTEMPT: "2",
     }
     (owner,) = meta["ownerReferences"]
     assert owner["uid"] == "u-1" and owner["controller"] is True
@@ -185,10 +184,7 @@ def test_pytorchjob_rendezvous_port_placement_and_restart_rules() -> None:
         assert port == {"name": "pytorchjob-port", "containerPort": builders.master_port(2)}
         affinity = pod_spec["affinity"]
         anti = affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-        assert anti[0]["labelSelector"]["matchLabels"] == {
-            LABEL_JOB: "demo",
-            LABEL_ATTEMPT: "2",
-        }
+        assert anti[0]["labelSelector"]["matchLabels"] == {LABEL_JOB: "demo"}
         terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert terms["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["n2"]
         labels = replica["template"]["metadata"]["labels"]
