@@ -8,9 +8,10 @@ after, the time from the kill to the first step after the restore. Then the node
 back and the job grows to 3 again. The job is deleted at the end unless --keep.
 
 Every recovery prints its budget: detection, teardown, the new pods' start, imports,
-rendezvous, restore, first step (ctj_stack.budget). ``--rounds N --hangs M`` is the
-recovery benchmark: N node losses (each followed by the node's return) and M hung ranks,
-with medians and spreads per phase (docs/benchmarks.md, "Recovery budget").
+rendezvous, restore, first step (ctj_stack.budget). ``--rounds N --hangs M
+--spare-rounds S`` is the recovery benchmark: N node losses (each followed by the node's
+return), M hung ranks, and S node losses on a job with a warm spare, with medians and
+spreads per phase (docs/benchmarks.md, "Recovery budget").
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .stack import OPERATOR_NAMESPACE, Images, NodeControl, S3Credentials, Stack
 
 NAMESPACE = "ctj-demo"
 JOB = "demo"
+SPARE_JOB = "demo-spare"
 OPERATOR_RELEASE = "ctj"  # the chart's objects are named ctj, ctj-metrics, ...
 OPERATOR_METRICS_PORT = 8080  # the chart's service.port
 SIDECAR_METRICS_PORT = 9400  # the operator's builders.METRICS_PORT
@@ -60,10 +62,18 @@ class Timeline:
         print(f"  t+{(at or time.time()) - self.t0:6.1f}s  {what}", flush=True)
 
 
-def run(stack: Stack, keep: bool, rounds: int = 1, hangs: int = 0, out: Path | None = None) -> None:
+def run(
+    stack: Stack,
+    keep: bool,
+    rounds: int = 1,
+    hangs: int = 0,
+    out: Path | None = None,
+    spare_rounds: int = 0,
+) -> None:
     """The scenario the tests run (ctj_stack.scenario), its first three steps, told as a
     timeline; then ``rounds - 1`` more node losses and ``hangs`` hung ranks, each with its
-    recovery budget, and their medians and spreads (the recovery benchmark)."""
+    recovery budget, and their medians and spreads (the recovery benchmark); then, on a
+    second job of 2 ranks and a warm spare, ``spare_rounds`` node losses the spare takes."""
     credentials = S3Credentials()
     stack.install_operator(
         release=OPERATOR_RELEASE, control_plane=bool(stack.control_plane_nodes())
@@ -116,7 +126,19 @@ def run(stack: Stack, keep: bool, rounds: int = 1, hangs: int = 0, out: Path | N
         hang = scenario.hangs_a_rank()
         budgets.setdefault("hung_rank", []).append(hang.budget())
         timeline(f"hung rank {i}/{hangs}: {format_budget(hang.budget())}", hang.first_step["t"])
-    if rounds > 1 or hangs:
+    if spare_rounds:
+        stack.delete_job(NAMESPACE, JOB)  # its 3 nodes: the spare's job needs them
+        spared = Lifecycle(stack, NAMESPACE, SPARE_JOB, spec={"replicas": 2, "spares": 1})
+        timeline("applying a job of 2 replicas and 1 warm spare (spec.spares)")
+        spared.commits_checkpoints()
+        for i in range(1, spare_rounds + 1):
+            taken = spared.loses_a_node()
+            budgets.setdefault("node_loss_spare", []).append(taken.budget())
+            timeline(f"node loss {i}/{spare_rounds}, the spare took the rank at world size 2: "
+                     f"{format_budget(taken.budget())}", taken.first_step["t"])  # fmt: skip
+            spared.node_returns()
+        stack.delete_job(NAMESPACE, SPARE_JOB)
+    if rounds > 1 or hangs or spare_rounds:
         for fault, found in budgets.items():
             print(f"\n{fault}, {len(found)} rounds:\n{format_summary(summarize(found))}")
     if out is not None:
@@ -145,10 +167,16 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="then as many hung ranks (a trainer SIGSTOPped for good)",
     )
+    parser.add_argument(
+        "--spare-rounds",
+        type=int,
+        default=0,
+        help="then node losses on a job of 2 ranks and 1 warm spare (spec.spares)",
+    )
     parser.add_argument("--json", type=Path, help="write every round's budget and the summary")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.hangs < 0:
-        parser.error("--rounds must be at least 1 and --hangs at least 0")
+    if args.rounds < 1 or args.hangs < 0 or args.spare_rounds < 0:
+        parser.error("--rounds must be at least 1, --hangs and --spare-rounds at least 0")
     kubeconfig = os.environ.get("CTJ_E2E_KUBECONFIG", "")
     nodes = NodeControl.from_env()
     try:
@@ -162,5 +190,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stack = Stack(Path(kubeconfig), images, log=lambda line: print(f"demo: {line}", flush=True),
                   nodes=nodes)  # fmt: skip
-    run(stack, args.keep, args.rounds, args.hangs, args.json)
+    run(stack, args.keep, args.rounds, args.hangs, args.json, args.spare_rounds)
     return 0

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctj_contract import LABEL_RANK
+from ctj_contract import LABEL_RANK, LABEL_SPARE
 
 from .budget import format_budget, recovery_budget
 from .harness import Harness
@@ -105,19 +106,53 @@ class Lifecycle:
     committed_at_delete: int = 0
 
     @property
+    def world(self) -> int:
+        """The job's replicas (the example's 3 unless ``spec`` says otherwise)."""
+        return int(self.spec.get("replicas", 3))
+
+    @property
+    def spares(self) -> int:
+        return int(self.spec.get("spares", 0))
+
+    def _spares_running(self) -> list[Any]:
+        """The job's warm spares running, by name (the order the operator takes them in)."""
+        found = [
+            p
+            for p in self.cluster.pods(self.namespace, self.name)
+            if (p.metadata.labels or {}).get(LABEL_SPARE) == "true"
+            and p.status.phase == "Running"
+            and not p.metadata.deletion_timestamp
+        ]
+        return sorted(found, key=lambda p: str(p.metadata.name))
+
+    def _spares_warm(self) -> list[Any]:
+        """Waits for spec.spares warm spares Running and counted in status; them."""
+        c, ns, name = self.cluster, self.namespace, self.name
+
+        def warm() -> list[Any] | None:
+            found = self._spares_running()
+            counted = c.status(ns, name).get("spares") == self.spares
+            return found if len(found) == self.spares and counted else None
+
+        found: list[Any] = c.wait(warm, f"{self.spares} warm spares running", 300,
+                                  lambda: c.describe(ns, name))  # fmt: skip
+        return found
+
+    @property
     def in_place(self) -> bool:
         """Survivors restart in place (docs/operator.md): backend pods, and the example's
         trainer command wrapped by the launcher, unless the spec turns it off."""
         policy = self.spec.get("restartPolicy") or {}
         return self.backend == "pods" and policy.get("inPlace", True) is not False
 
-    def _kept_in_place(self, before: list[Any], lost: str) -> None:
+    def _kept_in_place(self, before: list[Any], lost: str, spares: Sequence[Any] = ()) -> None:
         """The survivors of a lost node kept their pods (same UID) and their containers
         were never restarted (the launcher restarted the worker); the next attempt carries
-        them as its lowest ranks, in their old order."""
+        them as its lowest ranks, in their old order, then the ``spares`` it took."""
         c, ns, name = self.cluster, self.namespace, self.name
         survivors = sorted((p for p in before if p.metadata.name != lost),
                            key=lambda p: int(p.metadata.labels[LABEL_RANK]))  # fmt: skip
+        survivors += list(spares)
         now = {p.metadata.name: p for p in c.attempt_pods(ns, name, self.attempt)}
         for rank, old in enumerate(survivors):
             kept = now.get(old.metadata.name)
@@ -178,7 +213,7 @@ class Lifecycle:
         c.apply_job(ns, job)
 
         def committed() -> dict[str, Any] | None:
-            st = c.running(ns, name, 3)
+            st = c.running(ns, name, self.world)
             return st if st and (st.get("lastCheckpoint") or {}).get("step", 0) >= 20 else None
 
         st: dict[str, Any] = c.wait(committed, "3 pods running, a checkpoint committed", 600,
@@ -189,7 +224,7 @@ class Lifecycle:
         header = table[0].split()
         row = dict(zip(header, table[1].split(), strict=False))
         assert "STEP" in header and int(row["STEP"]) >= last["step"], table
-        assert row["PHASE"] == "Running" and row["WORLD"] == "3", table
+        assert row["PHASE"] == "Running" and row["WORLD"] == str(self.world), table
         kubectl_wait(c, ns, name, "Running", "Queued=false")
         assert_standard_conditions(c, ns, name)
         if self.backend == "pytorchjob":  # the controller's pods, owned by our PyTorchJob
@@ -197,14 +232,18 @@ class Lifecycle:
                 (owner,) = pod.metadata.owner_references
                 assert (owner.kind, owner.name) == ("PyTorchJob", f"{name}-a{st['attempt']}")
         self.attempt = int(st["attempt"])
+        if self.spares:
+            self._spares_warm()
         return st
 
     def loses_a_node(self) -> NodeLoss:
-        """Stops the node of one rank (not rank 0's where it can); the job restarts at 2,
-        on the nodes left, from a checkpoint at or after the last one reported committed,
-        and the restored model computes the loss the saved one did."""
+        """Stops the node of one rank (not rank 0's where it can); the job restarts one
+        smaller on the nodes left (with a warm spare: at the same size, the spare taking
+        the lost rank, nothing resharded), from a checkpoint at or after the last one
+        reported committed, and the restored model computes the loss the saved one did."""
         c, ns, name = self.cluster, self.namespace, self.name
         pods = c.attempt_pods(ns, name, self.attempt)
+        warm = self._spares_warm() if self.spares else []
         victim = c.victim(ns, name, self.attempt)
         node = c.node_of(victim)
         committed_before = self._last_committed()
@@ -215,7 +254,8 @@ class Lifecycle:
         c.stop_node(node)
         self.lost_node = node
 
-        st, restored, first = self._resumed(2, committed_before)
+        after = self.world if warm else self.world - 1
+        st, restored, first = self._resumed(after, committed_before)
         node_restarts, restarts = counts
         assert (st["nodeRestarts"], st.get("restarts", 0)) == (node_restarts + 1, restarts), (
             "a lost node is not a crash"
@@ -225,7 +265,10 @@ class Lifecycle:
         for pod in c.attempt_pods(ns, name, self.attempt):
             assert c.node_of(pod) != node, f"{pod.metadata.name} is on the lost node"
         if self.in_place:
-            self._kept_in_place(pods, victim.metadata.name)
+            self._kept_in_place(pods, victim.metadata.name, warm[:1])
+        if warm:
+            saved = restored["saved_world_size"]
+            assert saved == restored["world_size"], f"resharded {saved} -> {restored}"
         staged = {
             e["step"]: e["eval_loss"]
             for events in before.values()
@@ -244,13 +287,19 @@ class Lifecycle:
 
     def node_returns(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Starts the lost node again; the job grows back to 3 (planned: not a failure).
-        The status and the restored event."""
+        With spares, the job never shrank: a new spare runs there instead, and nothing
+        restarts. The status and the restored event (None with spares)."""
         c, ns, node = self.cluster, self.namespace, self.lost_node
         counts = self._restart_counts()
         started = time.time()
         c.start_node(node)
         c.wait(lambda: c.node_back(node, started), f"node {node}'s kubelet back", 300)
-        st, restored, _ = self._resumed(3, self._last_committed())
+        if self.spares:
+            self._spares_warm()
+            st = c.status(ns, self.name)
+            assert int(st["attempt"]) == self.attempt, "a spare made is no restart"
+            return st, {}
+        st, restored, _ = self._resumed(self.world, self._last_committed())
         assert self._restart_counts() == counts, "growing is not a failure"
         assert condition(st, "Restarted").get("reason") == "ScaleUp", st["conditions"]
         assert "ScaleUp" in {e.reason for e in c.events(ns, self.name)}

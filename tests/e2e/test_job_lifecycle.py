@@ -252,3 +252,45 @@ class TestTwoRanksPerPod:
 
     def test_deleting_the_job_removes_every_child(self, scenario: Lifecycle) -> None:
         scenario.deleted()
+
+
+@pytest.mark.incremental
+class TestWarmSpare:
+    """spec.spares 1 beside 2 ranks (docs/operator.md, "Warm spares"): a spare pod waits
+    idle, its launcher and sidecar up; a lost node's rank goes to it at the same world size
+    (nothing resharded), the survivor restarts in place, and when the node returns a new
+    spare runs there, with no restart."""
+
+    JOB = "demo-spare"
+    state: dict[str, Lifecycle] = {}
+
+    @pytest.fixture
+    def scenario(self, stack: Stack, job_namespace: str) -> Lifecycle:
+        spec = {"replicas": 2, "spares": 1}
+        return self.state.setdefault(
+            "lifecycle", Lifecycle(stack, job_namespace, self.JOB, spec=spec)
+        )
+
+    def test_the_job_runs_with_a_warm_spare(
+        self, scenario: Lifecycle, operator_installed: str
+    ) -> None:
+        st = scenario.commits_checkpoints()
+        assert (st["worldSize"], st["spares"]) == (2, 1), st
+
+    def test_a_lost_rank_goes_to_the_spare_at_the_same_world_size(
+        self, scenario: Lifecycle, node_control: NodeControl
+    ) -> None:
+        loss = scenario.loses_a_node()
+        result = {**loss.record("pods"), "spares": 1}
+        scenario.cluster.log(f"node loss with a spare: {json.dumps(result)}")
+        _record(result)
+        assert loss.status["worldSize"] == 2 and loss.restored["saved_world_size"] == 2
+
+    def test_the_node_comes_back_as_a_new_spare(
+        self, scenario: Lifecycle, node_control: NodeControl
+    ) -> None:
+        st, _ = scenario.node_returns()
+        assert st["spares"] == 1 and st["worldSize"] == 2, st
+
+    def test_deleting_the_job_removes_every_child(self, scenario: Lifecycle) -> None:
+        scenario.deleted()
