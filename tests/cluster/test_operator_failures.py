@@ -30,7 +30,11 @@ def test_a_crash_loop_fails_the_job_after_max_restarts(
     assert failed["reason"] == "MaxRestartsExceeded"
     assert "spec.restartPolicy.maxRestarts=1" in failed["message"]
     assert "PodFailed" == {c["type"]: c for c in st["conditions"]}["Restarted"]["reason"]
-    assert "bad luck" in op_cluster.container_log(ns, f"{name}-a2-0", "trainer")
+    # the pods were kept (in-place restart): attempt 2 ran in attempt 1's, its worker's last
+    # line quoted as a failed container's would be
+    assert st["carried"] == [f"{name}-a1-0", f"{name}-a1-1"], st
+    assert "trainer exited 1: bad luck" in failed["message"], failed
+    assert "bad luck" in op_cluster.container_log(ns, f"{name}-a1-0", "trainer")
     wait_for(lambda: not job_pods(op_cluster, ns, name), "the failed job's pods removed", 60)
     # and it stays failed: no attempt 3
     assert status(op_cluster, ns, name)["attempt"] == 2

@@ -57,7 +57,7 @@ def test_a_spare_takes_a_lost_rank_at_the_same_world_size(
 
     event = wait_for(restored, "attempt 2 to restore", 120)
     assert event["world_size"] == event["saved_world_size"] == 2, "no resharding"
-    print(f"spare: kill -> restored in {float(event['t']) - killed:.1f} s")  # type: ignore[arg-type]
+    print(f"spare: kill -> restored in {float(event['t']) - killed:.1f} s")
     # a new spare for the next loss (on the one node left free: none here, so it waits)
     made = wait_for(
         lambda: [

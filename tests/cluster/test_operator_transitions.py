@@ -55,12 +55,14 @@ def _of(events: Events, kind: str) -> Events:
 
 
 def _restored_and_training(
-    cluster: Cluster, namespace: str, pod: str, min_steps: int = 3
+    cluster: Cluster, namespace: str, name: str, attempt: int, min_steps: int = 3
 ) -> tuple[dict[str, Any], Events]:
-    """The next attempt's ``restored`` event and its first ``min_steps`` steps or more."""
+    """``attempt``'s ``restored`` event and its first ``min_steps`` steps or more (its rank
+    0's pod may be one kept from the attempt before: its events are told by attempt)."""
+    pod = f"attempt {attempt}'s rank 0"
 
     def seen() -> Any:
-        events = trainer_events(cluster, namespace, pod)
+        events = rank0_events(cluster, namespace, name, attempt)
         restored, steps = _of(events, "restored"), _of(events, "step")
         return restored and len(steps) >= min_steps and (restored[0], steps)
 
@@ -109,7 +111,7 @@ def assert_planned_handover(
     assert last["step"] in {e["step"] for e in _of(prev, "committed")}, "saved and committed"
     assert not _of(prev, "error"), _of(prev, "error")
 
-    restored, steps = _restored_and_training(cluster, ns, f"{name}-a{before + 1}-0")
+    restored, steps = _restored_and_training(cluster, ns, name, before + 1)
     lost = last["step"] - restored["step"]
     assert lost == 0, f"{lost} steps lost: attempt {before} trained {last['step']}, {restored}"
     assert restored["world_size"] == world
@@ -367,8 +369,8 @@ def test_node_loss_loses_at_most_a_checkpoint_interval(
     assert _restarted(st)["reason"] in ("HeartbeatLost", "NodeNotReady"), _restarted(st)
     assert (st["restarts"], st["nodeRestarts"]) == (0, 1), "a lost node is not the job's crash"
 
-    restored, steps = _restored_and_training(op_cluster, ns, f"{name}-a2-0")
-    prev = trainer_events(op_cluster, ns, master)
+    restored, steps = _restored_and_training(op_cluster, ns, name, 2)
+    prev = rank0_events(op_cluster, ns, name, 1)
     last = _of(prev, "step")[-1]
     commits = {e["step"] for e in _of(prev, "committed")}
     staged = {e["step"] for e in _of(prev, "staged")}
@@ -410,7 +412,7 @@ def test_a_node_lost_during_a_save_does_not_hold_up_the_next_attempt(
     op_cluster.kill_node(node)
 
     st = wait_for(lambda: running(op_cluster, ns, name, 2, 2), "attempt 2 at world size 2", 180)
-    restored, _ = _restored_and_training(op_cluster, ns, f"{name}-a2-0", min_steps=1)
+    restored, _ = _restored_and_training(op_cluster, ns, name, 2, min_steps=1)
     if restored["step"] >= step:
         pytest.skip(f"step {step} committed before the node went: no save was in flight")
     ended = _iso_to_epoch(_restarted(st)["lastTransitionTime"])
