@@ -30,6 +30,7 @@ from . import podspec, volumes
 from .node_config import NodeAgentConfig
 from .pod_api import PodApi, now_rfc3339
 from .podspec import ConfigError, Obj
+from .processes import signal_tree
 
 log = logging.getLogger(__name__)
 POD_EXEC = Path(__file__).with_name("pod_exec.py")
@@ -475,9 +476,5 @@ class PodWorker:
 
 
 def _signal_group(proc: subprocess.Popen[bytes] | None, sig: signal.Signals) -> None:
-    if proc is None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+    if proc is not None:
+        signal_tree(proc.pid, sig)

@@ -14,6 +14,7 @@ so every process started here gets three guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -140,9 +141,34 @@ class ManagedProcess:
         self.popen.wait()
 
     def _signal_group(self, sig: signal.Signals) -> None:
-        if self.popen is None:
-            return
-        try:
-            os.killpg(self.popen.pid, sig)
-        except ProcessLookupError:
-            pass
+        if self.popen is not None:
+            signal_tree(self.popen.pid, sig)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, children first (Linux's /proc/<pid>/task/*/children)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:  # ended meanwhile
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def signal_tree(leader: int, sig: signal.Signals) -> None:
+    """``sig`` to ``leader``'s process group and, for SIGKILL, to every process below it
+    in any group or session (a process that started a session of its own, such as the ctj
+    launcher's worker, would outlive its "machine" or "container" otherwise: a kubelet's
+    runtime kills the whole cgroup). Collected before the group dies (orphans are
+    reparented out of reach)."""
+    below = descendants(leader) if sig == signal.SIGKILL else []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader, sig)
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)

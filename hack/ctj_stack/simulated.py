@@ -9,10 +9,10 @@ import contextlib
 import os
 import signal as signal_module
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ctj_devcluster import Cluster
+from ctj_devcluster.processes import descendants
 
 from .harness import Harness
 from .jobs import EXAMPLES, job_manifest
@@ -58,25 +58,12 @@ class SimulatedStack(Harness):
         (``ctj://<node>/<pid>``); under the ctj launcher the worker runs in a group of its
         own, a descendant of the leader."""
         leader = int(self.trainer_container(namespace, pod)[1].rsplit("/", 1)[1])
-        groups, todo = {leader}, child_pids(leader)
-        while todo:
-            pid = todo.pop()
+        groups = {leader}
+        for pid in descendants(leader):
             with contextlib.suppress(ProcessLookupError):  # ended meanwhile
                 groups.add(os.getpgid(pid))
-            todo += child_pids(pid)
         return sorted(groups)
 
     def signal_trainer(self, namespace: str, pod: str, signal: str) -> None:
         for group in self.trainer_groups(namespace, pod):
             os.killpg(group, getattr(signal_module, f"SIG{signal}"))
-
-
-def child_pids(pid: int) -> list[int]:
-    """The children of ``pid`` (Linux's /proc/<pid>/task/<tid>/children)."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:  # the task ended meanwhile
-            continue
-    return found
