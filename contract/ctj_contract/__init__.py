@@ -22,6 +22,7 @@ from typing import Any, TypeGuard
 
 from .env import Env as Env  # re-exported: every CTJ_* name
 from .launch import Assignment
+from .wire import json_object
 
 # -- the API group and the resource ------------------------------------------------------
 
@@ -115,15 +116,7 @@ HEARTBEAT_MAX_BODY = 4096
 
 
 def _message(raw: bytes, what: str) -> dict[str, Any]:
-    if len(raw) > HEARTBEAT_MAX_BODY:
-        raise ValueError(f"{what}: {len(raw)} bytes, over {HEARTBEAT_MAX_BODY}")
-    try:
-        found = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{what}: not JSON ({exc})") from None
-    if not isinstance(found, dict):
-        raise ValueError(f"{what}: not a JSON object")
-    return found
+    return json_object(raw, what, HEARTBEAT_MAX_BODY)
 
 
 def _count(value: Any) -> TypeGuard[int]:

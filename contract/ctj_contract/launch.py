@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .env import Env
+from .wire import json_object
 
 LAUNCH_DIR = "launch"
 """Under the staging volume: the sidecar writes the assignment here, the launcher its
@@ -190,15 +191,7 @@ class WorkerExit:
 
 
 def _json(raw: bytes, what: str) -> dict[str, Any]:
-    if len(raw) > MAX_FILE_BYTES:
-        raise ValueError(f"{what}: {len(raw)} bytes, over {MAX_FILE_BYTES}")
-    try:
-        found = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{what}: not JSON ({exc})") from None
-    if not isinstance(found, dict):
-        raise ValueError(f"{what}: not a JSON object")
-    return found
+    return json_object(raw, what, MAX_FILE_BYTES)
 
 
 def read_small(path: Path) -> bytes | None:

@@ -29,7 +29,7 @@ from ctj_operator.observe import Freshness, pod_view
 from ctj_operator.render import Kind, Target, Verb, render
 from ctj_operator.spec import JobSpec, SpecError
 
-from .test_decisions import decide, nodes, observe, spec
+from .test_decisions import RUNNING3, decide, nodes, observe, spec
 
 COMMAND = {"name": "trainer", "image": "x", "command": ["python", "train.py"], "args": ["--lr=1"]}
 LAUNCHED = {"spec": {"containers": [COMMAND]}}
@@ -47,14 +47,7 @@ def ranks(n: int, attempt: int = 1, phase: str = "Running", **kw: Any) -> list[P
     ]
 
 
-RUNNING = JobState(
-    phase="Running",
-    attempt=1,
-    world_size=3,
-    pods_created=True,
-    attempt_started=-100.0,
-    start_time=-100.0,
-)
+RUNNING = RUNNING3
 
 
 def test_only_pods_the_launcher_can_restart_in_place_are_kept() -> None:
