@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import select
@@ -56,6 +57,18 @@ from ctj_contract.launch import (
 log = logging.getLogger("ctj.launcher")
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def preload_modules(value: str) -> list[str]:
+    """CTJ_PRELOAD's module names (comma-separated); a name that is not one is left out."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    good = [n for n in names if all(part.isidentifier() for part in n.split("."))]
+    if len(good) != len(names):
+        log.warning("ctj launcher: %s: not module names: %s", Env.PRELOAD,
+                    sorted(set(names) - set(good)))  # fmt: skip
+    return good
+
+
 _STOP_POLL_S = 0.01
 FileState = tuple[int, int, int, int]
 """What a cheap ``lstat`` says of a file (inode, size, mtime, mode): a change means read it."""
@@ -138,23 +151,108 @@ class Tail:
         return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
 
+def _spawn(
+    cmd: Sequence[str], env: Mapping[str, str], *, stdin: int | None = None
+) -> tuple[subprocess.Popen[bytes], Tail]:
+    """``cmd`` in a session of its own, its output (one stream) passed on and its tail kept."""
+    proc = subprocess.Popen(
+        list(cmd),
+        env=dict(env),
+        start_new_session=True,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # one stream, in the order the worker wrote it
+    )
+    output = Tail()
+    assert proc.stdout is not None
+    output.copy(proc.stdout, sys.stdout.fileno())
+    return proc, output
+
+
+# What a standby runs: the modules imported, then one line on stdin says which script to
+# run, as ``python SCRIPT ARGS`` or ``python -m MODULE ARGS`` would, with what environment.
+STANDBY_CODE = r"""
+import importlib, json, os, runpy, sys
+for name in json.loads(sys.argv[1]):
+    importlib.import_module(name)
+line = sys.stdin.readline()
+if not line:
+    sys.exit(0)
+order = json.loads(line)
+os.environ.clear()
+os.environ.update(order["env"])
+argv = order["argv"]
+if argv[0] == "-m":
+    sys.argv = argv[1:]
+    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    runpy.run_path(argv[0], run_name="__main__")
+"""
+
+
+def standby_argv(cmd: Sequence[str]) -> list[str] | None:
+    """What a standby runs for ``cmd``, where it is ``python SCRIPT ...`` or ``python -m
+    MODULE ...`` (no other interpreter option); None for anything else (torchrun, a shell,
+    a binary), which always starts cold."""
+    if len(cmd) < 2 or not Path(cmd[0]).name.startswith("python"):
+        return None
+    if cmd[1] == "-m":
+        return list(cmd[1:]) if len(cmd) >= 3 else None
+    return None if cmd[1].startswith("-") else list(cmd[1:])
+
+
+class Standby:
+    """A Python process that has imported ``modules`` (CTJ_PRELOAD, e.g. torch) and waits
+    to become the next worker: an in-place restart or a spare's first worker then skips
+    the imports. It holds what it imported in memory while it waits."""
+
+    def __init__(self, python: str, modules: Sequence[str], env: Mapping[str, str]) -> None:
+        self.proc, self.output = _spawn(
+            [python, "-c", STANDBY_CODE, json.dumps(list(modules))], env, stdin=subprocess.PIPE
+        )
+
+    def take(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
+        """Make it run ``argv`` with ``env``; False where it is gone (start cold)."""
+        if self.proc.poll() is not None or self.proc.stdin is None:
+            return False
+        try:
+            self.proc.stdin.write(
+                json.dumps({"argv": list(argv), "env": dict(env)}).encode() + b"\n"
+            )
+            self.proc.stdin.close()
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
 class Worker:
     """The command in its own session and process group (its group id is its pid). An
     ended worker is reaped only after its group is killed: its pid, and so the group's id,
-    cannot have been reused when the group is signalled."""
+    cannot have been reused when the group is signalled. Started cold, or by a standby
+    that had imported what it needs."""
 
-    def __init__(self, cmd: Sequence[str], env: Mapping[str, str], attempt: int) -> None:
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        env: Mapping[str, str],
+        attempt: int,
+        standby: tuple[Standby, Sequence[str]] | None = None,
+    ) -> None:
         self.attempt = attempt
-        self.proc = subprocess.Popen(
-            list(cmd),
-            env=dict(env),
-            start_new_session=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,  # one stream, in the order the worker wrote it
-        )
-        self.output = Tail()
-        assert self.proc.stdout is not None
-        self.output.copy(self.proc.stdout, sys.stdout.fileno())
+        self.warm = standby is not None and standby[0].take(standby[1], env)
+        if standby is not None and self.warm:
+            self.proc, self.output = standby[0].proc, standby[0].output
+        else:
+            if standby is not None:
+                standby[0].close()
+            self.proc, self.output = _spawn(cmd, env)
 
     def exited(self) -> bool:
         """Whether the worker ended (left unreaped)."""
@@ -219,9 +317,22 @@ class Launcher:
     """The poll loop: one worker at a time, the attempt it runs, the signals to act on."""
 
     def __init__(
-        self, cmd: Sequence[str], launch: Path | None, grace_s: float, poll_s: float
+        self,
+        cmd: Sequence[str],
+        launch: Path | None,
+        grace_s: float,
+        poll_s: float,
+        standby_delay_s: float = 10.0,
     ) -> None:
         self.cmd, self.grace_s, self.poll_s = list(cmd), grace_s, poll_s
+        self.standby_delay_s = standby_delay_s
+        self.preload = preload_modules(os.environ.get(Env.PRELOAD, ""))
+        self.standby_argv = standby_argv(self.cmd) if self.preload else None
+        if self.preload and self.standby_argv is None:
+            log.warning("ctj launcher: %s is set but the command is not `python SCRIPT` or "
+                        "`python -m MODULE`: every worker starts cold", Env.PRELOAD)  # fmt: skip
+        self.standby: Standby | None = None
+        self.started = time.monotonic()
         self.assignment_path = launch / ASSIGNMENT_FILE if launch else None
         self.exit_path = launch / EXIT_FILE if launch else None
         self.attempt = _env_attempt()
@@ -250,14 +361,19 @@ class Launcher:
         first = self._newer()
         if first is None and os.environ.get(Env.STANDBY) == "1":
             log.info("ctj launcher: a warm spare: no worker until an assignment makes it a rank")
+            self._prepare_standby(now=True)
         else:
             self._start(first)
         while True:
             if self.pending:
-                return self._on_signal(self.pending.pop(0))
+                code = self._on_signal(self.pending.pop(0))
+                self._drop_standby()
+                return code
+            self._prepare_standby()
             if self.worker is not None and self.worker.exited():
                 code = self.worker.reap()
                 if code == 0 or self.exit_path is None:
+                    self._drop_standby()
                     return exit_status(code)
                 self._failed(self.worker, code)
             if (newer := self._newer()) is not None:
@@ -288,13 +404,35 @@ class Launcher:
             env = {**os.environ, **assignment.environment()}
             env.pop(Env.STANDBY, None)
             self.attempt = assignment.attempt
+        standby = None
+        if self.standby is not None and self.standby_argv is not None:
+            standby = (self.standby, self.standby_argv)
+        self.standby = None
+        self.worker = Worker(self.cmd, env, self.attempt, standby)
+        self.started = time.monotonic()
         log.info(
-            "ctj launcher: attempt %d, %s: starting %s",
+            "ctj launcher: attempt %d, %s: %s %s",
             self.attempt,
             _describe(env),
+            "started (imports done ahead)" if self.worker.warm else "starting",
             shlex.join(self.cmd),
         )
-        self.worker = Worker(self.cmd, env, self.attempt)
+
+    def _prepare_standby(self, *, now: bool = False) -> None:
+        """With CTJ_PRELOAD, keep a standby ready for the next worker: at once on a spare,
+        else once the running worker has had ``standby_delay_s`` to start (not competing
+        with its own imports for the CPU)."""
+        if self.standby_argv is None or self.standby is not None:
+            return
+        if not now and time.monotonic() - self.started < self.standby_delay_s:
+            return
+        env = {k: v for k, v in os.environ.items() if k != Env.STANDBY}
+        self.standby = Standby(self.cmd[0], self.preload, env)
+
+    def _drop_standby(self) -> None:
+        if self.standby is not None:
+            self.standby.close()
+            self.standby = None
 
     def _restart(self, assignment: Assignment) -> None:
         if self.worker is not None:
@@ -357,6 +495,12 @@ def _parser() -> argparse.ArgumentParser:
         help="SIGTERM to SIGKILL on a restart (default 0: the old attempt is over)",
     )
     parser.add_argument(
+        "--standby-delay-seconds",
+        type=float,
+        default=10.0,
+        help="with CTJ_PRELOAD: a worker runs this long before the next one's standby starts",
+    )
+    parser.add_argument(
         "--poll-seconds",
         type=float,
         default=0.1,
@@ -386,7 +530,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             log.warning("ctj launcher: in-place restarts are off: %s", exc)
             launch = None
-    return Launcher(cmd, launch, opts.grace_seconds, opts.poll_seconds).run()
+    return Launcher(
+        cmd, launch, opts.grace_seconds, opts.poll_seconds, opts.standby_delay_seconds
+    ).run()
 
 
 if __name__ == "__main__":

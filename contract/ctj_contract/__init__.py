@@ -76,6 +76,9 @@ LABEL_WORLD = f"{GROUP}/world-size"
 LABEL_SPARE = f"{GROUP}/spare"
 """On a warm spare ("true"): a pod of no attempt yet, its launcher idle until an assignment
 makes it a rank (the label is removed then). It carries no attempt or rank label."""
+ANNOTATION_AVOID = f"{GROUP}/avoid-nodes"
+"""On a warm spare made while nodes were suspect: those nodes (comma-separated), which its
+node affinity keeps it off. One left Pending after they are trusted again is made anew."""
 LABEL_LAUNCHER = f"{GROUP}/launcher"
 """On a pod whose trainer runs under the ctj launcher ("true"): it can be kept across an
 unplanned restart, its worker restarted in place (``ctj_contract.launch``)."""

@@ -28,6 +28,9 @@ class Env:
     S3_SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
     # the trainer
     SAVE_EVERY = "CTJ_SAVE_EVERY"
+    PRELOAD = "CTJ_PRELOAD"
+    """Set by the user in the trainer's environment (e.g. "torch"): the launcher keeps a
+    Python process with these modules imported, ready to become the next worker."""
     STANDBY = "CTJ_STANDBY"
     """"1" on a warm spare: its launcher starts no worker until an assignment arrives."""
     ATTEMPT = "CTJ_ATTEMPT"

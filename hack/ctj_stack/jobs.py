@@ -139,20 +139,24 @@ def job_manifest(
     env: dict[str, str] | None = None,
     command: list[str] | None = None,
     example: Path = EXAMPLE,
+    preload: bool = False,
     **overrides: Any,
 ) -> dict[str, Any]:
     """``example`` (examples/job.yaml) as a user would adapt it: their bucket, endpoint,
     and image.
 
     The simulated nodes run commands on this machine, so the image's /app is ROOT.
-    ``env`` overrides the trainer's variables, ``command`` its command; other keyword
-    arguments replace top-level spec fields.
+    ``env`` overrides the trainer's variables, ``command`` its command; ``preload`` keeps
+    the example's CTJ_PRELOAD (the launcher's standby; off: the local cluster runs every
+    pod on this machine); other keyword arguments replace top-level spec fields.
     """
     job = copy.deepcopy(yaml.safe_load(example.read_text()))
     job["metadata"]["name"] = name
     job["spec"]["checkpoint"].update(uri=s3_uri, endpoint=endpoint)
     trainer = job["spec"]["template"]["spec"]["containers"][0]
     trainer["workingDir"] = str(ROOT)
+    if not preload:  # a standby per pod: more Python processes than 2 cores want
+        trainer["env"] = [e for e in trainer.get("env") or [] if e["name"] != "CTJ_PRELOAD"]
     if env:
         kept = [e for e in trainer.get("env") or [] if e["name"] not in env]
         trainer["env"] = kept + [{"name": k, "value": v} for k, v in env.items()]

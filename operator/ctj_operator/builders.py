@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ctj_contract import (
+    ANNOTATION_AVOID,
     CACHE_TOKEN_KEY,
     GROUP,
     KIND,
@@ -433,7 +434,10 @@ def build_spare(
     job = body["metadata"]["name"]
     labels = {LABEL_JOB: job, LABEL_SPARE: "true"}
     env = {Env.STANDBY: "1", Env.ATTEMPT: "0"}
-    return _pod(body, spec, uri, name, labels, env, peers, (0, None), avoid)
+    pod = _pod(body, spec, uri, name, labels, env, peers, (0, None), avoid)
+    if avoid:
+        pod["metadata"]["annotations"][ANNOTATION_AVOID] = ",".join(avoid)
+    return pod
 
 
 def _pod(

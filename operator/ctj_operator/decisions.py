@@ -68,6 +68,8 @@ class PodView:
     worker restarted in place (even where its worker failed: ``phase`` then says Failed)."""
     spare: bool = False
     """A warm spare (spec.spares): of no attempt (``attempt`` 0) until one carries it."""
+    avoid: tuple[str, ...] = ()
+    """The nodes a spare was made to keep off (suspect then)."""
 
     @property
     def beating(self) -> bool:
@@ -718,7 +720,14 @@ def _spare_upkeep(
     spec, state = obs.spec, obs.state
     live = _live_nodes(obs, suspect)
     spares = sorted((p for p in obs.pods if p.spare and not p.terminating), key=lambda p: p.name)
-    dead = [p for p in spares if p.phase in TERMINAL or (p.node_name and p.node_name not in live)]
+    dead = [
+        p
+        for p in spares
+        if p.phase in TERMINAL
+        or (p.node_name and p.node_name not in live)
+        # kept off a node trusted again, and still waiting: made anew, free to go there
+        or (not p.node_name and set(p.avoid) - set(suspect))
+    ]
     alive = [p for p in spares if p not in dead]
     wanted = spec.spares if spec.relaunches else 0
     extra = alive[wanted:]

@@ -14,7 +14,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
-from ctj_contract import LABEL_ATTEMPT, LABEL_JOB, LABEL_LAUNCHER, LABEL_RANK, LABEL_SPARE
+from ctj_contract import (
+    ANNOTATION_AVOID,
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    LABEL_LAUNCHER,
+    LABEL_RANK,
+    LABEL_SPARE,
+)
 from ctj_contract.launch import WorkerExit
 
 from . import capacity
@@ -96,6 +103,9 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         "waiting": waiting,
         "launcher": labels.get(LABEL_LAUNCHER) == "true",
         "spare": labels.get(LABEL_SPARE) == "true",
+        "avoid": [
+            n for n in (meta.get("annotations") or {}).get(ANNOTATION_AVOID, "").split(",") if n
+        ],
     }
 
 
@@ -126,6 +136,7 @@ def pod_view(
         phase_age=age,
         relaunchable=running and s.get("launcher", False),
         spare=s.get("spare", False),
+        avoid=tuple(s.get("avoid") or ()),
     )
 
 

@@ -8,6 +8,7 @@ assignment the heartbeat carries) and creates only the missing ranks. docs/opera
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -347,3 +348,14 @@ def test_a_spare_runs_the_launcher_idle_and_becomes_a_rank_by_its_labels() -> No
         c for c in render(CreateAttempt(2, 1, (), ("demo-a1-s0",)), target) if c.kind == Kind.POD
     ]
     assert patch.body["metadata"]["labels"][LABEL_SPARE] is None, "no longer a spare"
+
+
+def test_a_spare_kept_off_a_node_trusted_again_is_made_anew() -> None:
+    waiting = PodView("job-a1-s0", 0, 0, "Pending", None, spare=True, avoid=("n3",))
+    plan = decide(observe(RUNNING, [*ranks(3), waiting], nodes(4), job=in_place(spares=1)))
+    assert ("job-a1-s0",) in [d.names for d in plan.actions if isinstance(d, DeletePods)]
+    (again,) = [a for a in plan.actions if isinstance(a, CreateSpares)]
+    assert again.names == ("job-a1-s1",) and again.avoid == ()
+    suspect = dataclasses.replace(RUNNING, suspect={"n3": 1.0})
+    kept = decide(observe(suspect, [*ranks(3), waiting], nodes(4), job=in_place(spares=1)))
+    assert not [d for d in kept.actions if isinstance(d, DeletePods | CreateSpares)]

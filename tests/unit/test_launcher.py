@@ -107,10 +107,22 @@ class Pod:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(
-        self, mode: str, *opts: str, staging: bool = True, env: dict[str, str] | None = None
+        self,
+        mode: str,
+        *opts: str,
+        staging: bool = True,
+        env: dict[str, str] | None = None,
+        script: bool = False,
     ) -> subprocess.Popen[bytes]:
+        """``script``: the worker as ``python worker.py`` (what a standby can run), not
+        ``python -c``."""
         cmd = [sys.executable, "-m", "trainer_sidecar.launcher", "--poll-seconds", "0.05"]
-        cmd += [*opts, "--", sys.executable, "-c", WORKER, str(self.reports_dir), mode]
+        program = ["-c", WORKER]
+        if script:
+            path = self.staging / "worker.py"
+            path.write_text(WORKER)
+            program = [str(path)]
+        cmd += [*opts, "--", sys.executable, *program, str(self.reports_dir), mode]
         environment = {**child_env(self.staging if staging else None), **(env or {})}
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(cmd, env=environment, stdout=log, stderr=log)
@@ -181,6 +193,48 @@ def test_a_warm_spare_runs_no_worker_until_an_assignment_makes_it_a_rank(pod: Po
     expected = NEWER.environment()
     assert first["env"] == {k: expected[k] for k in KEYS}
     assert first["ppid"] == launcher.pid
+
+
+def children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def test_a_spare_with_preload_starts_its_worker_from_a_standby(pod: Pod) -> None:
+    spare = {Env.STANDBY: "1", Env.ATTEMPT: "0", Env.PRELOAD: "json,email.message"}
+    launcher = pod.start("idle", env=spare, script=True)
+    wait_for(lambda: len(children(launcher.pid)) == 1, "the standby")
+    (standby,) = children(launcher.pid)
+    assert pod.reports() == []
+    write_atomic(pod.assignment, NEWER.encode())
+    first = pod.worker(1)
+    assert first["pid"] == standby, "the standby became the worker"
+    expected = NEWER.environment()
+    assert first["env"] == {k: expected[k] for k in KEYS}
+    assert "started (imports done ahead)" in pod.log.read_text()
+
+
+def test_an_in_place_restart_takes_the_standby_and_makes_the_next(pod: Pod) -> None:
+    env = {Env.PRELOAD: "json"}
+    launcher = pod.start("idle", "--standby-delay-seconds", "0", env=env, script=True)
+    first = pod.worker(1)
+    wait_for(lambda: len(children(launcher.pid)) == 2, "a standby beside the worker")
+    (standby,) = set(children(launcher.pid)) - {first["pid"]}
+    write_atomic(pod.assignment, NEWER.encode())
+    second = pod.worker(2)
+    assert second["pid"] == standby and not alive(first["pid"])
+    assert second["env"]["CTJ_ATTEMPT"] == str(NEWER.attempt)
+    wait_for(lambda: len(children(launcher.pid)) == 2, "the next standby")
+
+
+def test_preload_with_a_command_a_standby_cannot_run_starts_cold(pod: Pod) -> None:
+    launcher = pod.start("idle", "--standby-delay-seconds", "0", env={Env.PRELOAD: "json"})
+    pod.worker(1)
+    wait_for(lambda: "every worker starts cold" in pod.log.read_text(), "the warning")
+    assert len(children(launcher.pid)) == 1, "no standby for `python -c`"
 
 
 def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace(pod: Pod) -> None:
