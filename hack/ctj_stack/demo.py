@@ -80,9 +80,10 @@ def run(
     )
     stack.install_s3(credentials)
     stack.job_namespace(NAMESPACE, credentials)
-    if stack.children(NAMESPACE, JOB):
-        stack.log("deleting the demo job of an earlier run")
-        stack.delete_job(NAMESPACE, JOB)
+    for earlier in (JOB, SPARE_JOB):
+        if stack.children(NAMESPACE, earlier):
+            stack.log(f"deleting the demo job {earlier} of an earlier run")
+            stack.delete_job(NAMESPACE, earlier)
     scenario = Lifecycle(stack, NAMESPACE, JOB)
     timeline = Timeline()
     print("timeline:", flush=True)
