@@ -148,7 +148,7 @@ def run(
         print(f"(wrote {out})", flush=True)
 
     print(where_to_look(stack.kubeconfig, Path(stack.tools.kubectl).parent), flush=True)
-    if not keep:
+    if not keep and stack.children(NAMESPACE, JOB):  # the spare rounds deleted it already
         stack.delete_job(NAMESPACE, JOB)
         print("(the demo job was deleted; --keep leaves it training)", flush=True)
 
