@@ -54,6 +54,16 @@ def training(cluster: Cluster, namespace: str, name: str) -> int:
     return int(steps[-1])
 
 
+def stop_trainer(sim: SimulatedStack, ns: str, pod: str, stopped: list[int]) -> list[int]:
+    """SIGSTOP to every process group of the pod's trainer container (the launcher's and
+    its worker's), noted in ``stopped`` for the cleanup; the groups."""
+    groups = sim.trainer_groups(ns, pod)
+    stopped.extend(groups)
+    for group in groups:
+        os.killpg(group, signal.SIGSTOP)
+    return groups
+
+
 def test_a_stopped_trainer_is_a_hung_rank_within_the_timeout(
     op_cluster: Cluster,
     job_namespace: str,
@@ -64,10 +74,7 @@ def test_a_stopped_trainer_is_a_hung_rank_within_the_timeout(
     ns, name = job_namespace, "hung"
     new_job(name, env=FAST_TRAINING, restartPolicy={"maxRestarts": 5, "backoffSeconds": 0.5})
     training(op_cluster, ns, name)
-    groups = sim.trainer_groups(ns, f"{name}-a1-1")
-    stopped.extend(groups)
-    for group in groups:
-        os.killpg(group, signal.SIGSTOP)
+    stop_trainer(sim, ns, f"{name}-a1-1", stopped)
     began = time.monotonic()
 
     def restarted() -> dict[str, str] | None:
@@ -98,10 +105,7 @@ def test_a_trainer_stopped_for_less_than_the_timeout_keeps_its_attempt(
     ns, name = job_namespace, "paused"
     new_job(name, env=FAST_TRAINING)
     before = training(op_cluster, ns, name)
-    groups = sim.trainer_groups(ns, f"{name}-a1-1")
-    stopped.extend(groups)
-    for group in groups:
-        os.killpg(group, signal.SIGSTOP)
+    groups = stop_trainer(sim, ns, f"{name}-a1-1", stopped)
     time.sleep(TIMEOUT_S / 2)  # the fault itself: a pause of half the timeout
     for group in groups:
         os.killpg(group, signal.SIGCONT)
