@@ -492,7 +492,7 @@ def survivors(obs: Observation, current: Sequence[PodView], ending: Ending) -> t
     """The pods an unplanned end of the attempt keeps for the next one: running under the
     launcher (restartPolicy.inPlace) on a node still trusted, and not stuck. A planned end
     keeps none (its ranks stopped for good, their pods Succeeded)."""
-    if ending.cause is Cause.PLANNED or not obs.spec.relaunches:
+    if ending.cause is Cause.PLANNED or not obs.spec.relaunches or spec_changed(obs):
         return ()
     suspect = {**obs.state.suspect, **dict.fromkeys(ending.suspect, obs.now)}
     live = _live_nodes(obs, suspect)
@@ -501,6 +501,13 @@ def survivors(obs: Observation, current: Sequence[PodView], ending: Ending) -> t
         for p in sorted(current, key=lambda p: p.node_rank)
         if p.relaunchable and p.node_name in live and p.name not in ending.stuck
     )
+
+
+def spec_changed(obs: Observation) -> bool:
+    """The spec was edited since the running attempt's pods were made from it (a SpecPending
+    change): the next attempt makes every pod anew, so that all of them run it."""
+    made = obs.state.attempt_generation
+    return bool(obs.generation and made and obs.generation != made)
 
 
 def suspect_patch(old: Mapping[str, float], new: Mapping[str, float]) -> dict[str, Any]:
@@ -918,8 +925,11 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
     if suspect != dict(state.suspect):
         update["suspectNodes"] = suspect_patch(state.suspect, suspect)
     live = _live_nodes(obs, suspect)
+    fresh = spec_changed(obs)  # edited since the survivors were made: none is kept
     kept = [
-        p for p in current if p.name in state.survivors and p.relaunchable and p.node_name in live
+        p
+        for p in current
+        if p.name in state.survivors and p.relaunchable and p.node_name in live and not fresh
     ]
     if state.attempt and not state.torn_down:  # the operator stopped mid-teardown
         keep = [p.name for p in kept]
@@ -970,14 +980,19 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
         return Plan(tuple(actions), requeue_after=5.0, note="insufficient nodes")
     attempt = state.attempt + 1
     spares = sorted(
-        (p for p in obs.pods if p.spare and p.relaunchable and p.node_name in live),
+        (p for p in obs.pods if p.spare and p.relaunchable and p.node_name in live and not fresh),
         key=lambda p: p.name,
     )
+    unkept: list[Action] = []  # sent after the start's status write (a stale view: none)
+    if fresh:  # spares made from the spec before the edit go too; new ones follow
+        stale = tuple(p.name for p in obs.pods if p.spare and not p.terminating)
+        if stale:
+            unkept.append(DeletePods(stale))
     warm = [*sorted(kept, key=lambda p: p.node_rank), *spares]  # spares take the lost ranks
     carried = tuple(p.name for p in warm[:target])
     dropped = tuple(p.name for p in kept if p.name not in carried)
     if dropped:  # the job shrank below its survivors (spec.replicas, or fewer nodes fit)
-        actions.append(DeletePods(dropped))
+        unkept.append(DeletePods(dropped))
     message = f"attempt {attempt} at world size {target}"
     taken = [p for p in spares if p.name in carried]
     if carried:
@@ -1013,6 +1028,7 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
         (
             *[a for a in actions if not isinstance(a, PatchStatus)],
             PatchStatus(start, started),
+            *unkept,
             Emit("Normal", "AttemptStarted", message),
             CreateAttempt(attempt, target, tuple(sorted(suspect)), carried),
             PatchStatus({"podsCreated": True}),

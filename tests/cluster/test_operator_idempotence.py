@@ -95,6 +95,9 @@ def test_operator_killed_during_restarts_converges_without_duplicates(
         st = wait_for(lambda: running(op_cluster, ns, name, 2, 3), "attempt 2 running", 90)
         # a deleted pod is the cluster's doing, not the job's: counted once, apart
         assert (st["nodeRestarts"], st["restarts"]) == (1, 0), "one failure, counted once"
+        # and the survivors restarted in place across both kills (status.survivors, then
+        # status.carried, told the next operator which pods to keep)
+        assert st["carried"] == [f"{name}-a1-0", f"{name}-a1-2"], st
 
         # 2. dead exactly between writing Restarting and tearing attempt 2 down
         operator.kill()

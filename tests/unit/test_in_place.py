@@ -359,3 +359,32 @@ def test_a_spare_kept_off_a_node_trusted_again_is_made_anew() -> None:
     suspect = dataclasses.replace(RUNNING, suspect={"n3": 1.0})
     kept = decide(observe(suspect, [*ranks(3), waiting], nodes(4), job=in_place(spares=1)))
     assert not [d for d in kept.actions if isinstance(d, DeletePods | CreateSpares)]
+
+
+def test_after_a_spec_edit_no_pod_is_kept_so_every_pod_runs_the_new_spec() -> None:
+    made_at_1 = dataclasses.replace(RUNNING, attempt_generation=1)
+    the_nodes = [NodeView(n, n != "n1") for n in ("n0", "n1", "n2")]
+    edited = dataclasses.replace(
+        observe(made_at_1, ranks(3), the_nodes, job=in_place()), generation=2
+    )
+    assert decide(edited).status()["survivors"] is None
+    unedited = dataclasses.replace(edited, generation=1)
+    assert decide(unedited).status()["survivors"] == ["a1-0", "a1-2"]
+
+    waiting = JobState(
+        phase="Restarting", attempt=1, world_size=3, survivors=("a1-0", "a1-2"),
+        attempt_generation=1,
+    )  # fmt: skip
+    kept = [ranks(3)[0], ranks(3)[2], spare("job-a1-s0", "n3")]
+    later = dataclasses.replace(
+        observe(waiting, kept, nodes(4), job=in_place(spares=1)), generation=2
+    )
+    plan = decide(later)
+    deleted = {n for d in plan.actions if isinstance(d, DeletePods) for n in d.names}
+    assert deleted == {"a1-0", "a1-2"}, deleted
+    assert not [a for a in plan.actions if isinstance(a, CreateAttempt)], "they must go first"
+    gone = dataclasses.replace(later, pods=[spare("job-a1-s0", "n3")])
+    start = decide(gone)
+    (create,) = [a for a in start.actions if isinstance(a, CreateAttempt)]
+    assert create.carried == (), "every pod made from the edited spec"
+    assert ("job-a1-s0",) in [d.names for d in start.actions if isinstance(d, DeletePods)]
