@@ -91,6 +91,11 @@ class Harness(ABC):
         """Send ``signal`` (STOP, CONT, KILL) to the pod's trainer process, as the machine's
         owner could: a hung rank, made on purpose."""
 
+    @abstractmethod
+    def crash_operator(self) -> str:
+        """SIGKILL the operator that leads, as a crash would (no hand-over of its Lease):
+        a standby, or the same one started again, takes over. The leader's name."""
+
     def reserved_nodes(self) -> set[str]:
         """Nodes a scenario must not stop (they run what the test is not about)."""
         return set()
@@ -291,13 +296,16 @@ class Harness(ABC):
         what: str,
         timeout: float,
         diagnostics: Callable[[], str] | None = None,
+        poll: float | None = None,
     ) -> Any:
+        """``condition``'s first truthy value, looked for every ``poll`` seconds (the
+        cluster's poll_interval by default) for at most ``timeout``."""
         start = time.monotonic()
         result = wait_until(
             condition,
             timeout=timeout,
             what=what,
-            interval=self.poll_interval,
+            interval=self.poll_interval if poll is None else poll,
             on_timeout=diagnostics,
         )
         self.log(f"  {what}: {time.monotonic() - start:.0f}s")

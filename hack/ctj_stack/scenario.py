@@ -216,7 +216,7 @@ class Lifecycle:
             st = c.running(ns, name, self.world)
             return st if st and (st.get("lastCheckpoint") or {}).get("step", 0) >= 20 else None
 
-        st: dict[str, Any] = c.wait(committed, "3 pods running, a checkpoint committed", 600,
+        st: dict[str, Any] = c.wait(committed, f"{self.world} pods running, a checkpoint committed", 600,
                                     lambda: c.describe(ns, name))  # fmt: skip
         last = st["lastCheckpoint"]
         assert last["step"] % 10 == 0 and last["bytes"] > 0, last
@@ -236,11 +236,31 @@ class Lifecycle:
             self._spares_warm()
         return st
 
-    def loses_a_node(self) -> NodeLoss:
+    def _crash_operator_once_seen(self, since: float) -> None:
+        """Waits for the operator to see a failure caused at ``since`` and kills it then,
+        mid-recovery: before the next attempt runs (status.lastRecovery is written once
+        it does)."""
+        c, ns, name = self.cluster, self.namespace, self.name
+
+        def recovered(st: dict[str, Any]) -> bool:
+            return bool((st.get("lastRecovery") or {}).get("failureSeenAt", 0.0) >= since)
+
+        def seen() -> bool:
+            st = c.status(ns, name)
+            return (st.get("failureSeenAt") or 0.0) >= since or recovered(st)
+
+        c.wait(seen, "the operator to see the failure", 120, poll=0.05)
+        leader = c.crash_operator()
+        assert not recovered(c.status(ns, name)), "the recovery ended before the operator died"
+        c.log(f"killed the operator {leader} mid-recovery")
+
+    def loses_a_node(self, crash_operator: bool = False) -> NodeLoss:
         """Stops the node of one rank (not rank 0's where it can); the job restarts one
         smaller on the nodes left (with a warm spare: at the same size, the spare taking
         the lost rank, nothing resharded), from a checkpoint at or after the last one
-        reported committed, and the restored model computes the loss the saved one did."""
+        reported committed, and the restored model computes the loss the saved one did.
+        ``crash_operator``: the leading operator is killed once it has seen the failure;
+        the recovery is finished by its successor, the failure counted once."""
         c, ns, name = self.cluster, self.namespace, self.name
         pods = c.attempt_pods(ns, name, self.attempt)
         warm = self._spares_warm() if self.spares else []
@@ -253,6 +273,8 @@ class Lifecycle:
         c.log(f"stopping node {node} (it runs {victim.metadata.name})")
         c.stop_node(node)
         self.lost_node = node
+        if crash_operator:
+            self._crash_operator_once_seen(killed_at)
 
         after = self.world if warm else self.world - 1
         st, restored, first = self._resumed(after, committed_before)

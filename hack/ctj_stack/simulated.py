@@ -15,20 +15,25 @@ from ctj_devcluster import Cluster
 from ctj_devcluster.processes import descendants
 
 from .harness import Harness
-from .jobs import EXAMPLES, job_manifest
+from .jobs import EXAMPLES, OperatorProcess, job_manifest
 
 
 class SimulatedStack(Harness):
-    """``cluster`` with the CRD installed and an operator watching it; jobs checkpoint to
+    """``cluster`` with the CRD installed and ``operator`` watching it; jobs checkpoint to
     ``s3_uri`` at ``endpoint``."""
 
     poll_interval = 0.2  # everything is on this machine: waits can look often
 
     def __init__(
-        self, cluster: Cluster, s3_uri: str, endpoint: str, log: Callable[[str], None] = print
+        self,
+        cluster: Cluster,
+        operator: OperatorProcess,
+        s3_uri: str,
+        endpoint: str,
+        log: Callable[[str], None] = print,
     ) -> None:
         super().__init__(cluster.api_client(), log)
-        self.cluster = cluster
+        self.cluster, self.operator = cluster, operator
         self.s3_uri, self.endpoint = s3_uri, endpoint
 
     def kubectl(self, *args: str, stdin: str | None = None) -> str:
@@ -51,6 +56,11 @@ class SimulatedStack(Harness):
 
     def start_node(self, node: str) -> None:
         self.cluster.restart_node(node)
+
+    def crash_operator(self) -> str:
+        self.operator.kill()
+        self.operator.start()  # it waits out the dead one's Lease, then leads
+        return self.operator.lease
 
     def trainer_groups(self, namespace: str, pod: str) -> list[int]:
         """The process groups of the pod's trainer container: the local cluster runs each

@@ -39,6 +39,7 @@ DEFAULT_CLASS_ANNOTATION = "storageclass.kubernetes.io/is-default-class"
 KUBEFLOW_NAMESPACE = "kubeflow"
 KUBEFLOW_WEBHOOK = "validator.training-operator.kubeflow.org"
 OPERATOR_NAMESPACE = "ctj-system"
+LEADER_LEASE = "ctj-operator"  # the operator's default --leader-election-name
 S3_ENDPOINT = "http://seaweedfs.seaweedfs:8333"  # the example job's, in-cluster
 CONTROL_PLANE_LABEL = "node-role.kubernetes.io/control-plane"
 CONTROL_PLANE_TOLERATION = {
@@ -391,6 +392,24 @@ class Stack(Harness):
             f'done; kill -s {sig} "$p"'
         )
         self._node_control().run_on(node, "sh", "-c", script)
+
+    def crash_operator(self) -> str:
+        """The pod that holds the chart's leader Lease gets its operator killed on its node
+        (SIGKILL to the container's main process, as an OOM kill would): the kubelet
+        restarts the container, and whichever replica takes the Lease first leads."""
+        coordination = client.CoordinationV1Api(self.api_client)
+        lease = coordination.read_namespaced_lease(LEADER_LEASE, OPERATOR_NAMESPACE)
+        holder = str(lease.spec.holder_identity or "")
+        # the identity is "<hostname>-<8 hex>", and a pod's hostname is its name
+        leader = next((p for p in self.core.list_namespaced_pod(OPERATOR_NAMESPACE).items
+                       if holder.rsplit("-", 1)[0] == p.metadata.name), None)  # fmt: skip
+        if leader is None:
+            raise RuntimeError(f"no operator pod holds the Lease (holder {holder!r})")
+        (container,) = [c.container_id for c in leader.status.container_statuses or []]
+        container = str(container).split("://", 1)[-1]
+        pid = f"$(crictl inspect --output go-template --template '{{{{.info.pid}}}}' {container})"
+        self._node_control().run_on(str(leader.spec.node_name), "sh", "-c", f"kill -9 {pid}")
+        return holder
 
     def reserved_nodes(self) -> set[str]:
         """Nodes that run the operator, the S3 server or Kubeflow's controller (not the

@@ -13,7 +13,15 @@ from collections.abc import Iterator
 
 import pytest
 from ctj_devcluster import Cluster
-from ctj_stack.jobs import FAST_TRAINING, NewJob, running, status, trainer_events, wait_for
+from ctj_stack.jobs import (
+    FAST_TRAINING,
+    NewJob,
+    OperatorProcess,
+    running,
+    status,
+    trainer_events,
+    wait_for,
+)
 from ctj_stack.simulated import SimulatedStack
 
 pytestmark = pytest.mark.cluster
@@ -24,8 +32,10 @@ RECONCILE_S = 1.0  # the operator's reconcile timer
 
 
 @pytest.fixture
-def sim(op_cluster: Cluster, s3_uri: str, s3_env: dict[str, str]) -> SimulatedStack:
-    return SimulatedStack(op_cluster, s3_uri, s3_env["AWS_ENDPOINT_URL"])
+def sim(
+    op_cluster: Cluster, operator: OperatorProcess, s3_uri: str, s3_env: dict[str, str]
+) -> SimulatedStack:
+    return SimulatedStack(op_cluster, operator, s3_uri, s3_env["AWS_ENDPOINT_URL"])
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ def test_one_job_through_a_node_loss_its_return_a_resize_and_a_delete(
     s3_env: dict[str, str],
 ) -> None:
     ns, name = job_namespace, "elastic"
-    sim = SimulatedStack(op_cluster, s3_uri, s3_env["AWS_ENDPOINT_URL"])
+    sim = SimulatedStack(op_cluster, operator, s3_uri, s3_env["AWS_ENDPOINT_URL"])
     # a 3 s scale-up window (the example's 30 s would only be waited out)
     scenario = Lifecycle(sim, ns, name, training=TRAINING,
                          spec={"scaleUp": {"stabilizationSeconds": 3}})  # fmt: skip

@@ -259,7 +259,8 @@ class TestWarmSpare:
     """spec.spares 1 beside 2 ranks (docs/operator.md, "Warm spares"): a spare pod waits
     idle, its launcher and sidecar up; a lost node's rank goes to it at the same world size
     (nothing resharded), the survivor restarts in place, and when the node returns a new
-    spare runs there, with no restart."""
+    spare runs there, with no restart. Then the same loss again, with the leading operator
+    killed mid-recovery."""
 
     JOB = "demo-spare"
     state: dict[str, Lifecycle] = {}
@@ -287,6 +288,24 @@ class TestWarmSpare:
         assert loss.status["worldSize"] == 2 and loss.restored["saved_world_size"] == 2
 
     def test_the_node_comes_back_as_a_new_spare(
+        self, scenario: Lifecycle, node_control: NodeControl
+    ) -> None:
+        st, _ = scenario.node_returns()
+        assert st["spares"] == 1 and st["worldSize"] == 2, st
+
+    def test_the_operator_killed_mid_recovery_its_successor_finishes_it(
+        self, scenario: Lifecycle, node_control: NodeControl, operator_installed: str
+    ) -> None:
+        # the new spare takes the rank: the leader that saw the loss dies before the next
+        # attempt runs; the other replica (or the restarted one) carries the survivor and
+        # the spare from status, and counts the failure once (loses_a_node's asserts)
+        loss = scenario.loses_a_node(crash_operator=True)
+        result = {**loss.record("pods"), "spares": 1, "scenario": "node_loss_operator_killed"}
+        scenario.cluster.log(f"node loss, operator killed: {json.dumps(result)}")
+        _record(result)
+        assert loss.status["worldSize"] == 2 and loss.restored["saved_world_size"] == 2
+
+    def test_the_node_comes_back_again_as_a_new_spare(
         self, scenario: Lifecycle, node_control: NodeControl
     ) -> None:
         st, _ = scenario.node_returns()

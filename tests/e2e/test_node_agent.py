@@ -68,11 +68,11 @@ def test_a_deleted_jobs_cache_is_gone_from_every_node_within_the_bound(
     try:
         stack.kubectl("rollout", "status", daemonset, "-n", operator_installed, "--timeout=180s")
     except RuntimeError as exc:  # say which agent, on which node, and why
-        pods = stack.kubectl("get", "pods", "-n", operator_installed, "-l", AGENT_SELECTOR,
-                             "-o", "wide")  # fmt: skip
+        listed = stack.kubectl("get", "pods", "-n", operator_installed, "-l", AGENT_SELECTOR,
+                               "-o", "wide")  # fmt: skip
         described = stack.kubectl("describe", "pods", "-n", operator_installed, "-l",
                                   AGENT_SELECTOR)  # fmt: skip
-        raise AssertionError(f"{exc}\n{pods}\n{described[-6000:]}") from None
+        raise AssertionError(f"{exc}\n{listed}\n{described[-6000:]}") from None
     pods = agent_pods(stack, operator_installed)
     assert pods, "the chart installed no node agent"
     job = stack.example_job(JOB, "pods", **TRAINING)
