@@ -295,7 +295,9 @@ def _leader_events(events: list[AuditEvent], lease: str) -> list[AuditEvent]:
 
 def measure(nodes: int, jobs: int, args: argparse.Namespace) -> Row:
     root = Path(tempfile.mkdtemp(prefix=f"ctj-bench-requests-n{nodes}-j{jobs}-"))
-    cluster = Cluster(ClusterConfig(root=root, nodes=nodes, audit_log=True), find_binaries())
+    config = ClusterConfig(root=root, nodes=nodes, audit_log=True, node_cpu=args.node_cpu,
+                           node_memory=args.node_memory)  # fmt: skip
+    cluster = Cluster(config, find_binaries())
     s3: LocalS3 | None = None
     operator: OperatorProcess | None = None
     try:
@@ -498,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=_ints, default=[2, 4], help="comma-separated (2,4)")
     parser.add_argument("--jobs", type=_ints, default=[5, 20], help="comma-separated (5,20)")
     parser.add_argument("--replicas", type=int, default=1, help="pods per job (1)")
+    parser.add_argument(
+        "--node-cpu", default="4", help="each simulated node's advertised CPUs (4; a pod asks 1+)"
+    )
+    parser.add_argument("--node-memory", default="8Gi", help="and memory (8Gi; a pod asks 1Gi+)")
     parser.add_argument("--minutes", type=float, default=1.0, help="measured window (1)")
     parser.add_argument("--settle", type=float, default=30.0, help="seconds before it (30)")
     parser.add_argument(

@@ -17,6 +17,14 @@ One trial:
 3. Attempt 2: W2 (2-4) ranks, fresh staging directories and sidecars, load the latest
    commit (a resharding load when W2 != W1), which must be exactly attempt 1's values for
    its step, save a few more steps and close cleanly.
+
+   In about half the trials the survivors restart in place instead (docs/operator.md,
+   "In-place restart"): only the trainers die (the launcher's SIGKILL), each surviving
+   sidecar lives on with its staging directory, whatever attempt 1 left staged or
+   half-uploaded in it, and is told attempt 2 and its new rank by a real heartbeat ask
+   (an ``Assignment``, before or after the trainers die); attempt 2's first ranks are its
+   trainers on those pods, the rest get fresh sidecars. The pod of a killed sidecar is
+   lost with it; a killed trainer's pod is kept.
 4. Checks, in this process: every committed manifest loads (at world size 1) bitwise as
    the values its own attempt staged for its step; every save a rank 0 saw committed is
    there; ``checkpoints verify --all`` passes; ``gc --grace 0`` leaves exactly the chunks
@@ -51,6 +59,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
@@ -60,6 +69,8 @@ from unittest import mock
 
 import pytest
 import torch
+from ctj_contract import HEARTBEAT_PATH, Env, HeartbeatAsk, HeartbeatReply
+from ctj_contract.launch import Assignment
 
 from tests.conftest import ROOT, free_port
 from tests.integration import chaos_worker as cw
@@ -90,6 +101,8 @@ CHUNK_SIZE = 65536
 # gc beside the job deletes a save's uploads older than this that nothing names yet (the
 # fence has the save store them again); its parts must outlive the wait for every rank's
 GC_GRACE_S = 5.0
+# the job's token in the sidecars' environment (CTJ_CACHE_TOKEN): their heartbeat's
+HEARTBEAT_TOKEN = "chaos-" + uuid.uuid4().hex
 
 _FORK = multiprocessing.get_context("forkserver")
 _FORK.set_forkserver_preload(["tests.integration.chaos_worker"])
@@ -278,6 +291,21 @@ class SidecarProcess(Participant):
         self._rc.unlink(missing_ok=True)
         self._pid = _SidecarLauncher.fork(["sidecar", "--grace", "10"], env, log)
 
+    def assign(self, assignment: Assignment) -> None:
+        """What the operator's heartbeat tells a pod kept for a newer attempt (its metrics
+        port, the job's token): the sidecar must answer that it serves it."""
+        port = int(re.findall(r"on port (\d+)", self.text())[-1])
+        ask = HeartbeatAsk(attempt=assignment.attempt, assignment=assignment)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}{HEARTBEAT_PATH}",
+            data=ask.encode(),
+            headers={"Authorization": f"Bearer {HEARTBEAT_TOKEN}"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as r:
+            reply = HeartbeatReply.decode(r.read())
+        if (reply.attempt, reply.node_rank) != (assignment.attempt, assignment.node_rank):
+            raise ChaosFailure("crash", f"{self.name} did not take {assignment}: {reply}")
+
     @property
     def pid(self) -> int:
         return self._pid
@@ -300,6 +328,7 @@ class JobSpec:
     slots: int = 1
     sidecar: bool = True
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # extra CTJ_* settings
+    heartbeat: bool = False  # the sidecars answer the operator's heartbeat (in place)
 
 
 class Job:
@@ -311,6 +340,7 @@ class Job:
         spec.root.mkdir(parents=True, exist_ok=True)
         self.started = time.monotonic()
         self.key = uuid.uuid4().hex[:8]  # its staging directories' name
+        self.kept: dict[int, Path] = {}  # rank -> the staging of a pod kept from before
         self.trainers: list[Rank] = []
         self.sidecars: list[SidecarProcess] = []
         if spec.sidecar:
@@ -353,10 +383,23 @@ class Job:
         if dead:
             raise ChaosFailure("crash", "a sidecar exited at start:\n" + self.tails())
 
-    def staging(self, rank: int) -> Path:
+    @property
+    def base(self) -> Path:
         # memory-backed like an emptyDir: under the session's private staging root
-        base = Path(os.environ["CTJ_STAGING_DIR"]) / f"job-{self.key}"
-        return base / f"attempt-{self.spec.attempt}" / f"rank-{rank}"
+        return Path(os.environ["CTJ_STAGING_DIR"]) / f"job-{self.key}"
+
+    def staging(self, rank: int) -> Path:
+        if rank in self.kept:
+            return self.kept[rank]
+        return self.base / f"attempt-{self.spec.attempt}" / f"rank-{rank}"
+
+    def keep(self, rank: int, sidecar: SidecarProcess, staging: Path) -> None:
+        """``rank`` runs on a pod kept from the attempt before: its sidecar and staging
+        directory serve this attempt's trainer (the fresh sidecar started for it goes)."""
+        fresh = self.sidecars[rank]
+        fresh.kill()
+        self.wait(lambda: not fresh.alive(), f"{fresh.name} to die", 30)
+        self.sidecars[rank], self.kept[rank] = sidecar, staging
 
     def idle(self, rank: int) -> bool:
         """Nothing staged for rank's persister: every slot released."""
@@ -383,16 +426,20 @@ class Job:
 
     def start_sidecar(self, rank: int, log_suffix: str = "") -> SidecarProcess:
         log = self.spec.root / f"a{self.spec.attempt}-sidecar-{rank}{log_suffix}.log"
-        sidecar = SidecarProcess(f"attempt {self.spec.attempt} sidecar {rank}", log, self.env(rank))
+        env = self.env(rank)
+        if self.spec.heartbeat:  # as the operator's pods: a token, a port, the pod's place
+            env |= {Env.CACHE_TOKEN: HEARTBEAT_TOKEN, Env.NODE_RANK: str(rank),
+                    "CTJ_METRICS_PORT": "0", "CTJ_METRICS_HOST": "127.0.0.1"}  # fmt: skip
+        sidecar = SidecarProcess(f"attempt {self.spec.attempt} sidecar {rank}", log, env)
         if rank < len(self.sidecars):
             self.sidecars[rank] = sidecar
         else:
             self.sidecars.append(sidecar)
         return sidecar
 
-    def start_trainers(self) -> None:
+    def start_trainers(self, port: int | None = None) -> None:
         self.started = time.monotonic()
-        port = str(free_port())
+        master_port = str(port or free_port())
         for r in range(self.spec.world):
             env = dict(
                 self.env(r),
@@ -400,7 +447,7 @@ class Job:
                 LOCAL_RANK=str(r),
                 WORLD_SIZE=str(self.spec.world),
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
+                MASTER_PORT=master_port,
             )
             log = self.spec.root / f"a{self.spec.attempt}-trainer-{r}.log"
             self.trainers.append(
@@ -450,7 +497,7 @@ class Job:
     def cleanup(self) -> None:
         with contextlib.suppress(ChaosFailure):
             self.kill_all()
-        shutil.rmtree(self.staging(0).parent.parent, ignore_errors=True)
+        shutil.rmtree(self.base, ignore_errors=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -640,6 +687,8 @@ class Scenario:
     after_s: float  # for "time": seconds after rank 0 starts saving step 1
     jitter_s: float  # after the trigger, before the kill
     gap_s: float  # between the kill and the teardown of the rest
+    in_place: bool = False  # the survivors' pods are kept: only their trainers die
+    assign_first: bool = False  # in place: the assignment reaches the sidecars first
 
     @classmethod
     def draw(cls, seed: int) -> Scenario:
@@ -668,6 +717,8 @@ class Scenario:
             after_s=rng.uniform(0, 0.5 * steps1),
             jitter_s=rng.choice([0.0, rng.uniform(0, 0.05)]),
             gap_s=rng.choice([0.0, rng.uniform(0, 0.5)]),
+            in_place=rng.random() < 0.5,
+            assign_first=rng.random() < 0.5,
         )
 
     def describe(self) -> str:
@@ -676,10 +727,14 @@ class Scenario:
             when = f"{self.after_s:.2f}s into the saves"
         else:
             when = f"{self.trigger} step {self.trigger_step} (rank {self.trigger_rank})"
+        rest = "the rest"
+        if self.in_place:
+            order = "before" if self.assign_first else "after"
+            rest = f"the other trainers (in place: the sidecars told attempt 2 {order} it)"
         return (
             f"seed {self.seed}: W {self.w1}->{self.w2}, {self.mode} full_every {self.full_every}, "
             f"{self.slots} slot(s), {self.steps1}+{self.steps2} steps; kill {victim} at {when} "
-            f"+{self.jitter_s * 1000:.0f}ms, the rest {self.gap_s * 1000:.0f}ms later"
+            f"+{self.jitter_s * 1000:.0f}ms, {rest} {self.gap_s * 1000:.0f}ms later"
         )
 
 
@@ -715,7 +770,8 @@ def trigger_condition(sc: Scenario, job: Job, where: Location) -> tuple[Callable
 
 
 def run_attempt1(sc: Scenario, job: Job, where: Location) -> dict[str, Any]:
-    """Run until the trigger, kill the victim, then (after the gap) everything."""
+    """Run until the trigger, kill the victim, then (after the gap) everything, or in
+    place only what ``restart_in_place`` kills."""
     fire, what = trigger_condition(sc, job, where)
     deadline = time.monotonic() + 120
     note = "fired"
@@ -739,8 +795,44 @@ def run_attempt1(sc: Scenario, job: Job, where: Location) -> dict[str, Any]:
     victim.kill()
     if sc.gap_s:
         time.sleep(sc.gap_s)  # the survivors run on, as in the grace before a teardown
-    job.kill_all()
+    if not sc.in_place:
+        job.kill_all()
     return {"trigger": note, "killed_after_s": round(fired_at - job.started, 3)}
+
+
+def restart_in_place(sc: Scenario, first: Job, second: Job, port: int) -> list[int]:
+    """What the operator and the ctj launcher do to a failed attempt whose pods are kept
+    (docs/operator.md, "In-place restart"): the pods whose sidecar lives are attempt 2's
+    first ranks, in their old order (a killed sidecar's pod is lost with it; those past
+    W2 are deleted); each sidecar is told its place by the heartbeat, and every attempt-1
+    trainer is SIGKILLed, the launcher's way, in the drawn order. Returns the old ranks
+    kept."""
+    kind, rank = sc.victim
+    if kind == "sidecar":  # its launcher reaps it a moment after the SIGKILL
+        dead = first.sidecars[rank]
+        first.wait(lambda: not dead.alive(), f"{dead.name} to die", 30)
+    survivors = [r for r, s in enumerate(first.sidecars) if s.alive()]
+    kept = survivors[: sc.w2]
+    for r in survivors[sc.w2 :]:
+        first.sidecars[r].kill()
+
+    def assign() -> None:
+        for rank, old in enumerate(kept):
+            first.sidecars[old].assign(Assignment(attempt=2, node_rank=rank, world_size=sc.w2,
+                                                  nproc_per_node=1, master_addr="127.0.0.1",
+                                                  master_port=port))  # fmt: skip
+
+    if sc.assign_first:
+        assign()
+    for t in first.trainers:
+        t.signal(signal.SIGCONT)
+        t.kill()
+    first.wait(lambda: not any(t.alive() for t in first.trainers), "the trainers to die", 30)
+    if not sc.assign_first:
+        assign()
+    for rank, old in enumerate(kept):
+        second.keep(rank, first.sidecars[old], first.staging(old))
+    return kept
 
 
 class Record:
@@ -836,6 +928,7 @@ def run_trial(sc: Scenario, uri: str, tmp: Path, jobs: list[Job]) -> dict[str, A
     # attempt 2's sidecars (own, fresh staging) start now too, idle until it stages: a
     # sidecar takes seconds to start on a busy machine. The store is empty while they
     # start, so they publish no latest commit (a stale one would cost bytes, not bits).
+    spec = dataclasses.replace(spec, heartbeat=sc.in_place)
     first = Job(spec, {"steps": sc.steps1}, trainers=False)
     second = Job(
         dataclasses.replace(spec, attempt="2", world=sc.w2),
@@ -851,16 +944,19 @@ def run_trial(sc: Scenario, uri: str, tmp: Path, jobs: list[Job]) -> dict[str, A
         figures = run_attempt1(sc, first, where)
         phases["attempt_1"] = time.monotonic() - first.started
         seen1 = reports(first.trainers[0].text())
+        port = free_port()
+        if sc.in_place:
+            figures["kept"] = restart_in_place(sc, first, second, port)
+            phases["in_place"] = time.monotonic() - first.started
 
-        second.start_trainers()
+        second.start_trainers(port)
         second.wait_trainers(timeout=180)
         second.stop_sidecars()
         phases["attempt_2"] = time.monotonic() - second.started
     figures["gc"] = gc.figures()
+    logs = {p.log: p for job in (first, second) for p in job.participants}  # a kept one once
     figures["gc"]["stored_again"] = sum(  # the fence at work: a save storing a chunk again
-        p.text().count("storing them once more")
-        for job in (first, second)
-        for p in job.participants
+        p.text().count("storing them once more") for p in logs.values()
     )
     text2 = second.trainers[0].text()
     loaded = re.search(r"^LOADED (\S+)", text2, re.M)
