@@ -265,10 +265,16 @@ def _alive(operator: OperatorProcess) -> bool:
 
 
 def _create_jobs(
-    cluster: Cluster, names: list[str], bucket: str, endpoint: str, replicas: int = 1
+    cluster: Cluster,
+    names: list[str],
+    bucket: str,
+    endpoint: str,
+    replicas: int = 1,
+    heartbeat_timeout: float | None = None,
 ) -> None:
     """Jobs of ``replicas`` pods whose trainer only sleeps (each sidecar runs and answers
-    the operator's heartbeats)."""
+    the operator's heartbeats), with failureDetection.heartbeatTimeoutSeconds
+    ``heartbeat_timeout`` where given (else the example's)."""
     custom = client.CustomObjectsApi(cluster.api_client())
     for name in names:
         manifest = job_manifest(
@@ -280,6 +286,9 @@ def _create_jobs(
             minReplicas=replicas,
             maxReplicas=replicas,
         )
+        if heartbeat_timeout is not None:
+            detection = manifest["spec"].setdefault("failureDetection", {})
+            detection["heartbeatTimeoutSeconds"] = heartbeat_timeout
         custom.create_namespaced_custom_object(GROUP, VERSION, JOB_NS, PLURAL, manifest)
 
 
@@ -325,9 +334,8 @@ def measure(nodes: int, jobs: int, args: argparse.Namespace) -> Row:
         created = time.monotonic()
         steady = True
         for first in range(0, jobs, args.batch):
-            _create_jobs(
-                cluster, names[first : first + args.batch], bucket, s3.endpoint, args.replicas
-            )
+            _create_jobs(cluster, names[first : first + args.batch], bucket, s3.endpoint,
+                         args.replicas, args.heartbeat_timeout)  # fmt: skip
             made = min(jobs, first + args.batch)
             log(f"{made}/{jobs} jobs created; waiting until each runs with its pod Running")
             try:
@@ -345,7 +353,8 @@ def measure(nodes: int, jobs: int, args: argparse.Namespace) -> Row:
             log(f"all Running after {ready_after:.0f}s; settling {args.settle:g}s")
             time.sleep(args.settle)
         else:  # count the requests of what it does instead: a figure too
-            _create_jobs(cluster, names[made:], bucket, s3.endpoint, args.replicas)
+            _create_jobs(cluster, names[made:], bucket, s3.endpoint, args.replicas,
+                         args.heartbeat_timeout)  # fmt: skip
         before = _job_states(cluster)
         if any(int(st.get("attempt") or 1) > 1 for st in before.values()):
             log(f"restarted before the window:\n{_describe(before)}")
@@ -504,6 +513,12 @@ def main(argv: list[str] | None = None) -> int:
         "--node-cpu", default="4", help="each simulated node's advertised CPUs (4; a pod asks 1+)"
     )
     parser.add_argument("--node-memory", default="8Gi", help="and memory (8Gi; a pod asks 1Gi+)")
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        help="the jobs' failureDetection.heartbeatTimeoutSeconds (the example's 3): every "
+        "pod's processes share this machine's cores, which a real node's pod does not",
+    )
     parser.add_argument("--minutes", type=float, default=1.0, help="measured window (1)")
     parser.add_argument("--settle", type=float, default=30.0, help="seconds before it (30)")
     parser.add_argument(

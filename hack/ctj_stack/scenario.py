@@ -216,8 +216,8 @@ class Lifecycle:
             st = c.running(ns, name, self.world)
             return st if st and (st.get("lastCheckpoint") or {}).get("step", 0) >= 20 else None
 
-        st: dict[str, Any] = c.wait(committed, f"{self.world} pods running, a checkpoint committed", 600,
-                                    lambda: c.describe(ns, name))  # fmt: skip
+        what = f"{self.world} pods running, a checkpoint committed"
+        st: dict[str, Any] = c.wait(committed, what, 600, lambda: c.describe(ns, name))
         last = st["lastCheckpoint"]
         assert last["step"] % 10 == 0 and last["bytes"] > 0, last
         table = c.kubectl("get", "ctj", name, "-n", ns).splitlines()

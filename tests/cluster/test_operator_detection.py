@@ -1,10 +1,12 @@
 """Failure detection's rules, on the local cluster with the operator's default timings
 (heartbeat period 1 s, timeout 3 s): a rank whose trainer is stopped (SIGSTOP) while its
 sidecar answers is seen within the timeout and ended as ``RankHung``; one stopped for less
-than the timeout costs nothing, not even its attempt."""
+than the timeout costs nothing, not even its attempt; and liveness costs the API server
+nothing (its audit log counts every request in a steady window)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import os
 import signal
@@ -12,11 +14,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from ctj_devcluster import Cluster
+from ctj_devcluster import Binaries, Cluster, ClusterConfig
+from ctj_devcluster.audit import count, read_events
 from ctj_stack.jobs import (
     FAST_TRAINING,
     NewJob,
     OperatorProcess,
+    install_crd,
     running,
     status,
     trainer_events,
@@ -28,7 +32,26 @@ pytestmark = pytest.mark.cluster
 
 TIMEOUT_S = 3.0  # failureDetection.heartbeatTimeoutSeconds, examples/job.yaml's default
 PERIOD_S = 1.0
-RECONCILE_S = 1.0  # the operator's reconcile timer
+RECONCILE_S = 0.5  # the operator's reconcile timer (handlers.RECONCILE_S)
+WRITES = frozenset({"create", "update", "patch", "delete", "deletecollection"})
+
+
+@pytest.fixture(scope="module")
+def op_cluster(
+    cluster_binaries: Binaries, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """operator_env's three nodes, with the API server's audit log on."""
+    c = Cluster(
+        ClusterConfig(root=tmp_path_factory.mktemp("detection"), nodes=3,
+                      node_monitor_grace_period=8.0, audit_log=True),
+        cluster_binaries,
+    )  # fmt: skip
+    c.start()
+    try:
+        install_crd(c)
+        yield c
+    finally:
+        c.stop()
 
 
 @pytest.fixture
@@ -125,3 +148,46 @@ def test_a_trainer_stopped_for_less_than_the_timeout_keeps_its_attempt(
     wait_for(lambda: steps_of(op_cluster, ns, pod)[-1] >= before + 30, "training past it", 60)
     st = status(op_cluster, ns, name)
     assert (st["attempt"], st.get("restarts", 0), st.get("nodeRestarts", 0)) == (1, 0, 0), st
+
+
+def test_steady_liveness_costs_the_api_server_no_write(
+    op_cluster: Cluster, operator: OperatorProcess, job_namespace: str, new_job: NewJob
+) -> None:
+    """Three ranks whose trainers only sleep, asked by the operator every second: in a
+    window of 30 s the pods send the API server nothing (the target: at most 1 liveness
+    write per pod per minute), and the operator writes nothing but its leader Lease."""
+    ns, name, pods, window_s = job_namespace, "quiet", 3, 30.0
+    new_job(name, command=["sleep", "100000"], replicas=pods, minReplicas=pods,
+            maxReplicas=pods)  # fmt: skip
+    wait_for(lambda: running(op_cluster, ns, name, 1, pods), "attempt 1 running", 180)
+    # the operator's last write of the start: every rank seen running (status.healthySince)
+    wait_for(lambda: status(op_cluster, ns, name).get("healthySince"), "every rank running", 30)
+    since = dt.datetime.now(dt.UTC)
+    deadline = time.monotonic() + window_s
+
+    def window_over() -> bool:  # the operator must ask throughout: it stays up
+        assert operator.proc.poll() is None, "the operator exited"
+        return time.monotonic() >= deadline
+
+    wait_for(window_over, "the window's end", window_s + 10)
+    until = dt.datetime.now(dt.UTC)
+    st = status(op_cluster, ns, name)
+    assert (st["attempt"], st.get("restarts", 0)) == (1, 0), "not a steady state"
+
+    events = read_events(op_cluster.audit_log_path)
+    leader = [e for e in events if e.resource == "leases" and e.name == operator.lease]
+    assert leader, "the operator's leader Lease is not in the audit log"
+    operator_user = leader[0].user
+    sidecars = count(events, user=f"system:serviceaccount:{ns}:default", since=since, until=until)
+    assert not sidecars, f"the pods sent the API server {dict(sidecars)}"
+    writes = [
+        e
+        for e in events
+        if e.user == operator_user and e.verb in WRITES and e.name != operator.lease
+        and e.request_received is not None and since <= e.request_received < until
+        and e.stage == "ResponseComplete"
+    ]  # fmt: skip
+    limit = pods * window_s / 60  # 1 per pod per minute
+    seen = [(e.verb, e.request_uri, e.user_agent, str(e.request_received)) for e in writes]
+    print(f"the operator's writes besides its Lease in {window_s:g} s: {seen or 'none'}")
+    assert len(writes) <= limit, seen
