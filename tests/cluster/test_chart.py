@@ -79,13 +79,14 @@ def test_defaults_render_the_operator_and_no_service_monitor(helm: Helm) -> None
     (container,) = pod["containers"]
     assert container["image"] == "ghcr.io/ctj/operator:0.1.0"
     assert "command" not in container  # the image's ENTRYPOINT: python -m ctj_operator
-    assert container["args"][:3] == [
+    assert container["args"][:4] == [
         "--metrics-port=8080",
         "--liveness-port=8081",
         "--watch-timeout=60",
+        "--reconcile-interval=0.5",
     ]
     # who may scrape the jobs' metrics ports, through each job's NetworkPolicy
-    (peer,) = container["args"][3:]
+    (peer,) = container["args"][4:]
     assert json.loads(peer.removeprefix("--prometheus-peer=")) == {
         "namespaceSelector": {},
         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
@@ -122,11 +123,15 @@ def test_values_reach_the_operator(helm: Helm) -> None:
     objects = render(
         helm,
         "image.tag=dev,sidecarImage.repository=registry.local/trainer,sidecarImage.tag=t1",
-        "operator.watchNamespaces={team-a,team-b}",
+        "operator.watchNamespaces={team-a,team-b},operator.reconcileIntervalSeconds=2",
     )
     (container,) = the(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "ghcr.io/ctj/operator:dev"
-    assert container["args"][3:5] == ["--namespace=team-a", "--namespace=team-b"]
+    assert container["args"][3:6] == [
+        "--reconcile-interval=2",
+        "--namespace=team-a",
+        "--namespace=team-b",
+    ]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["CTJ_SIDECAR_IMAGE"] == "registry.local/trainer:t1"
 
@@ -152,7 +157,8 @@ def test_prometheus_rule_only_when_enabled_and_it_is_the_rules_file(helm: Helm) 
 
 
 def test_schema_rejects_bad_values(helm: Helm) -> None:
-    for bad in ("replicaCount=-1", "image.pullPolicy=Sometimes", "imageTag=typo"):
+    for bad in ("replicaCount=-1", "image.pullPolicy=Sometimes", "imageTag=typo",
+                "operator.reconcileIntervalSeconds=0"):  # fmt: skip
         proc = helm("template", "x", str(CHART), "--set", bad, check=False)
         assert proc.returncode != 0, f"--set {bad} rendered"
         assert "values don't meet the specifications of the schema" in proc.stderr

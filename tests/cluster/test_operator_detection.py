@@ -1,8 +1,9 @@
 """Failure detection's rules, on the local cluster with the operator's default timings
 (heartbeat period 1 s, timeout 3 s): a rank whose trainer is stopped (SIGSTOP) while its
 sidecar answers is seen within the timeout and ended as ``RankHung``; one stopped for less
-than the timeout costs nothing, not even its attempt; and liveness costs the API server
-nothing (its audit log counts every request in a steady window)."""
+than the timeout costs nothing, not even its attempt, and so does an API server paused
+past it; and liveness costs the API server nothing (its audit log counts every request in
+a steady window)."""
 
 from __future__ import annotations
 
@@ -144,6 +145,28 @@ def test_a_trainer_stopped_for_less_than_the_timeout_keeps_its_attempt(
         os.killpg(group, signal.SIGCONT)
     # trained on past the pause (steps are collective: every rank did), long enough for the
     # operator to have judged the silence its asks saw during the pause
+    pod = f"{name}-a1-0"
+    wait_for(lambda: steps_of(op_cluster, ns, pod)[-1] >= before + 30, "training past it", 60)
+    st = status(op_cluster, ns, name)
+    assert (st["attempt"], st.get("restarts", 0), st.get("nodeRestarts", 0)) == (1, 0, 0), st
+
+
+def test_an_api_server_paused_past_the_timeout_restarts_nothing(
+    op_cluster: Cluster, job_namespace: str, new_job: NewJob
+) -> None:
+    """An API server hiccup (SIGSTOP to kube-apiserver for longer than the heartbeat
+    timeout, shorter than the node-monitor grace and the leader Lease's renew deadline) is
+    not a failure: liveness does not go through it, so training goes on in the same
+    attempt and the operator carries on once it is back."""
+    ns, name = job_namespace, "hiccup"
+    new_job(name, env=FAST_TRAINING)
+    before = training(op_cluster, ns, name)
+    (apiserver,) = [p for p in op_cluster.control_plane.processes if p.name == "kube-apiserver"]
+    os.kill(apiserver.pid, signal.SIGSTOP)
+    try:
+        time.sleep(TIMEOUT_S + 2.0)  # the fault itself: the API server gone for this long
+    finally:
+        os.kill(apiserver.pid, signal.SIGCONT)
     pod = f"{name}-a1-0"
     wait_for(lambda: steps_of(op_cluster, ns, pod)[-1] >= before + 30, "training past it", 60)
     st = status(op_cluster, ns, name)
