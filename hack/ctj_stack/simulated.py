@@ -58,9 +58,10 @@ class SimulatedStack(Harness):
         self.cluster.restart_node(node)
 
     def crash_operator(self) -> str:
+        killed = f"pid {self.operator.proc.pid}"
         self.operator.kill()
         self.operator.start()  # it waits out the dead one's Lease, then leads
-        return self.operator.lease
+        return killed
 
     def trainer_groups(self, namespace: str, pod: str) -> list[int]:
         """The process groups of the pod's trainer container: the local cluster runs each

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # "Timer succeeded" each second
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # "Timer succeeded" every tick
     if not 0.1 <= args.reconcile_interval <= 10:
         parser.error(f"--reconcile-interval {args.reconcile_interval:g}: use 0.1 to 10 seconds")
     handlers.register_reconcile(args.reconcile_interval)

@@ -4,6 +4,7 @@ live in the harness (ctj_stack.jobs), shared with the operator benchmarks."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,23 +34,27 @@ def kubeflow_build() -> KubeflowBuild:
         pytest.skip(str(exc))
 
 
-@pytest.fixture(scope="module")
-def op_cluster(
-    cluster_binaries: Binaries, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Cluster]:
-    """Three Ready nodes (the jobs want 3) and the CRD, established."""
-    c = Cluster(
-        ClusterConfig(
-            root=tmp_path_factory.mktemp("opcluster"), nodes=3, node_monitor_grace_period=8.0
-        ),
-        cluster_binaries,
-    )
+@contextlib.contextmanager
+def crd_cluster(root: Path, binaries: Binaries, **config: Any) -> Iterator[Cluster]:
+    """Three simulated nodes (ClusterConfig's other fields as ``config`` says) and the CRD,
+    established; stopped afterwards."""
+    c = Cluster(ClusterConfig(root=root, nodes=3, **config), binaries)
     c.start()
     try:
         install_crd(c)
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="module")
+def op_cluster(
+    cluster_binaries: Binaries, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """Three Ready nodes (the jobs want 3) and the CRD, established."""
+    root = tmp_path_factory.mktemp("opcluster")
+    with crd_cluster(root, cluster_binaries, node_monitor_grace_period=8.0) as c:
+        yield c
 
 
 @pytest.fixture

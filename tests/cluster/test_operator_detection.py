@@ -15,19 +15,20 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from ctj_devcluster import Binaries, Cluster, ClusterConfig
+from ctj_devcluster import Binaries, Cluster
 from ctj_devcluster.audit import count, read_events
 from ctj_stack.jobs import (
     FAST_TRAINING,
     NewJob,
     OperatorProcess,
-    install_crd,
     running,
     status,
     trainer_events,
     wait_for,
 )
 from ctj_stack.simulated import SimulatedStack
+
+from tests.cluster.operator_env import crd_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -42,17 +43,9 @@ def op_cluster(
     cluster_binaries: Binaries, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     """operator_env's three nodes, with the API server's audit log on."""
-    c = Cluster(
-        ClusterConfig(root=tmp_path_factory.mktemp("detection"), nodes=3,
-                      node_monitor_grace_period=8.0, audit_log=True),
-        cluster_binaries,
-    )  # fmt: skip
-    c.start()
-    try:
-        install_crd(c)
+    root = tmp_path_factory.mktemp("detection")
+    with crd_cluster(root, cluster_binaries, node_monitor_grace_period=8.0, audit_log=True) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ctj_devcluster import Binaries, Cluster, ClusterConfig
+from ctj_devcluster import Binaries, Cluster
 from ctj_stack.jobs import (
     FAST_TRAINING,
     NewJob,
@@ -32,7 +32,6 @@ from ctj_stack.jobs import (
     committed_steps,
     core,
     create_job,
-    install_crd,
     job_events,
     job_manifest,
     job_pods,
@@ -44,6 +43,8 @@ from ctj_stack.jobs import (
     trainer_events,
     wait_for,
 )
+
+from tests.cluster.operator_env import crd_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -161,21 +162,10 @@ def grace_cluster(
 ) -> Iterator[Cluster]:
     """3 nodes, node-monitor grace 40 s and period 5 s (the upstream timings), for one
     test class: stopped before op_cluster starts (file order)."""
-    c = Cluster(
-        ClusterConfig(
-            root=tmp_path_factory.mktemp("gracecluster"),
-            nodes=3,
-            node_monitor_grace_period=40.0,
-            node_monitor_period=5.0,
-        ),
-        cluster_binaries,
-    )
-    c.start()
-    try:
-        install_crd(c)
+    root = tmp_path_factory.mktemp("gracecluster")
+    config = {"node_monitor_grace_period": 40.0, "node_monitor_period": 5.0}
+    with crd_cluster(root, cluster_binaries, **config) as c:
         yield c
-    finally:
-        c.stop()
 
 
 class TestUpstreamNodeGrace:
