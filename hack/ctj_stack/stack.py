@@ -104,6 +104,12 @@ class Tools:
         return cls(**found)
 
 
+def _main_pid(container_id: str) -> str:
+    """Shell that prints, on the container's node, the pid of its main process (crictl)."""
+    container = container_id.split("://", 1)[-1]
+    return f"$(crictl inspect --output go-template --template '{{{{.info.pid}}}}' {container})"
+
+
 @dataclass(frozen=True)
 class NodeControl:
     """How to stop and start a node, as shell command templates with ``{node}``: on kind
@@ -384,8 +390,7 @@ class Stack(Harness):
         the worker's) get ``signal`` (a SIGSTOP from the node's PID namespace reaches them;
         from inside the container it would not reach its PID 1)."""
         node, container = self.trainer_container(namespace, pod)
-        container = container.split("://", 1)[-1]
-        pid = f"$(crictl inspect --output go-template --template '{{{{.info.pid}}}}' {container})"
+        pid = _main_pid(container)
         sig = shlex.quote(signal)
         script = (
             f'p="{pid}"; for c in $(cat /proc/$p/task/*/children); do kill -s {sig} -- "-$c"; '
@@ -406,9 +411,8 @@ class Stack(Harness):
         if leader is None:
             raise RuntimeError(f"no operator pod holds the Lease (holder {holder!r})")
         (container,) = [c.container_id for c in leader.status.container_statuses or []]
-        container = str(container).split("://", 1)[-1]
-        pid = f"$(crictl inspect --output go-template --template '{{{{.info.pid}}}}' {container})"
-        self._node_control().run_on(str(leader.spec.node_name), "sh", "-c", f"kill -9 {pid}")
+        node = str(leader.spec.node_name)
+        self._node_control().run_on(node, "sh", "-c", f"kill -9 {_main_pid(str(container))}")
         return holder
 
     def reserved_nodes(self) -> set[str]:
