@@ -43,6 +43,7 @@ from ctj_contract.tokens import job_token
 from .builders import METRICS_PORT, master_addr, master_port, pod_name
 from .decisions import JobState
 from .observe import Freshness, JobKey
+from .spec import JobSpec
 
 log = logging.getLogger("ctj.operator.heartbeat")
 
@@ -106,6 +107,14 @@ class JobAsk:
             request=state.transition.request_id if state.transition else None,
             period_s=period_s,
             placement=placement,
+        )
+
+    @classmethod
+    def for_job(cls, uid: str, job: str, spec: JobSpec, state: JobState) -> JobAsk:
+        """``of``, with the period, ranks per pod and launcher the job's spec gives."""
+        period = spec.detection.heartbeat_period_seconds
+        return cls.of(
+            uid, state, period, job=job, nproc=spec.nproc_per_node, relaunches=spec.relaunches
         )
 
     def ask_for(self, rank: Rank) -> HeartbeatAsk:

@@ -287,7 +287,9 @@ def observe(
     current = [p for p in pods if p.attempt == state.attempt and not p.spare]
     beats = {p.node_rank: marks.beats.silent_for((namespace, p.name)) for p in current}
     used = _used_by_others(indexes, key)  # what other jobs' pods hold on each node
-    fit = capacity.fitting_nodes_with(rank_footprint(spec), nodes, used)
+    footprint = rank_footprint(spec)
+    fit = capacity.fitting_nodes_with(footprint, nodes, used)
+    rejected = capacity.summarize_rejections(fit.rejected)
     return Observation(
         spec=spec,
         state=state,
@@ -310,7 +312,7 @@ def observe(
         now=now,
         controller_failure=failure,
         fits=fit.fits,
-        rejected=capacity.summarize_rejections(fit.rejected),
+        rejected=rejected,
         generation=generation,
         selector=job_selector(name),
         refused=refused,

@@ -27,7 +27,7 @@ from ctj_contract.tokens import job_token
 
 from . import conditions
 from .apply import apply
-from .decisions import CreateAttempt, JobState, Observation, decide, invalid_spec, job_state
+from .decisions import CreateAttempt, Observation, decide, invalid_spec, job_state
 from .heartbeats import JobAsk
 from .observe import Indexes, observe
 from .render import Target, render_plan
@@ -35,13 +35,6 @@ from .runtime import Operator
 from .spec import JobSpec, SpecError, job_checkpoint_uri
 
 log = logging.getLogger("ctj.operator")
-
-
-def _ask(uid: str, name: str, spec: JobSpec, state: JobState) -> JobAsk:
-    period = spec.detection.heartbeat_period_seconds
-    return JobAsk.of(
-        uid, state, period, job=name, nproc=spec.nproc_per_node, relaunches=spec.relaunches
-    )
 
 
 def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
@@ -72,7 +65,7 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
         )
         last_checkpoint = None
         if op.channel is not None:  # what the ranks are told, from the status read
-            op.channel.want(key, _ask(uid, name, spec, state))
+            op.channel.want(key, JobAsk.for_job(uid, name, spec, state))
             last_checkpoint = op.channel.last_checkpoint(key)
         uri = state.storage or job_checkpoint_uri(spec, namespace, name, uid)
         refused = op.refused.get(uid)
@@ -95,8 +88,11 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
             log.info("%s/%s: %d nodes fit a rank%s", namespace, name, len(obs.fits), why)
     # decide
     plan = decide(obs) if obs is not None else invalid_spec(state, invalid, generation)
-    plan = conditions.written(plan, state.conditions, now=now, generation=generation)
     kinds = plan.kinds()
+    # what the ranks are told once the plan's status writes are in (an attempt that ended
+    # or started: the survivors' assignments)
+    after = job_state({**dict(body.get("status") or {}), **plan.status()})
+    plan = conditions.written(plan, state.conditions, now=now, generation=generation)
     if kinds and kinds != ["PatchStatus"] or "Emit" in kinds:
         log.info("%s/%s attempt %d: %s", namespace, name, state.attempt, ", ".join(kinds))
     elif plan.note:
@@ -118,10 +114,7 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
     if outcome.resource_version != rv:  # a body older than our own writes is not acted on
         op.written[uid] = outcome.resource_version
         if op.channel is not None and spec is not None and not outcome.stale:
-            # what the ranks are told, from the status as now written: an attempt that
-            # ended or started (the survivors' assignments) reaches them at once
-            written = job_state({**dict(body.get("status") or {}), **plan.status()})
-            op.channel.want(key, _ask(uid, name, spec, written))
+            op.channel.want(key, JobAsk.for_job(uid, name, spec, after))  # said to them at once
     if outcome.refused:  # the next reconcile ends the attempt with the API's reason
         log.warning("%s/%s: the attempt's objects were rejected: %s", namespace, name,
                     outcome.refused)  # fmt: skip
