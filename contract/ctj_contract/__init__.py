@@ -40,6 +40,7 @@ class Phase(enum.StrEnum):
     RESTARTING = "Restarting"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
+    SUSPENDED = "Suspended"
 
 
 class Condition(enum.StrEnum):
@@ -58,6 +59,9 @@ class Condition(enum.StrEnum):
     """Every rank exited 0: final."""
     FAILED = "Failed"
     """The job gave up (MaxRestartsExceeded, DeadlineExceeded, InvalidSpec): final."""
+    SUSPENDED = "Suspended"
+    """spec.suspend holds the job with no pod: its last attempt checkpointed at a step
+    boundary and stopped; resuming (spec.suspend false) restores that step."""
     RESTARTED = "Restarted"
     """Why the last attempt ended; True from the first restart on (status.restarts and
     status.nodeRestarts count them)."""

@@ -116,6 +116,12 @@ class Harness(ABC):
         self.log(f"kubectl scale ctj/{name} --replicas={replicas}")
         self.kubectl("scale", f"ctj/{name}", f"--replicas={replicas}", "-n", namespace)
 
+    def suspend(self, namespace: str, name: str, suspend: bool, **spec: Any) -> None:
+        """``kubectl patch`` of spec.suspend (and any other ``spec`` fields with it)."""
+        patch = json.dumps({"spec": {"suspend": suspend, **spec}})
+        self.log(f"kubectl patch ctj/{name} --type=merge -p '{patch}'")
+        self.kubectl("patch", f"ctj/{name}", "-n", namespace, "--type=merge", "-p", patch)
+
     def delete_job(self, namespace: str, name: str) -> None:
         self.kubectl("delete", "ctj", name, "-n", namespace, "--wait=true", "--timeout=120s")
 

@@ -341,6 +341,29 @@ class Lifecycle:
         assert "Resize" in {e.reason for e in c.events(ns, self.name)}
         return st, restored
 
+    def suspended_and_resumed(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """spec.suspend true: the attempt checkpoints at a step boundary, every pod goes and
+        the job waits Suspended, counted nowhere; false again, with replicas at the other
+        size (2 or 3): the next attempt restores that checkpoint, resharded. The status
+        while suspended and the restored event."""
+        c, ns = self.cluster, self.namespace
+        world = 2 if c.status(ns, self.name)["worldSize"] == 3 else 3
+        counts = self._restart_counts()
+        c.suspend(ns, self.name, True)
+        kubectl_wait(c, ns, self.name, "Suspended")
+        st = c.status(ns, self.name)
+        assert st["phase"] == "Suspended" and self._restart_counts() == counts, st
+        said = condition(st, "Suspended").get("message", "")
+        assert "checkpointed and stopped" in said, st["conditions"]
+        c.wait(lambda: not c.pods(ns, self.name), "every pod of the suspended job gone", 60)
+        assert "startTime" not in st, "the deadline counts again from the resume"
+        committed = self._last_committed()
+        c.suspend(ns, self.name, False, replicas=world)
+        _, restored, _ = self._resumed(world, committed)
+        assert self._restart_counts() == counts, "a suspend is not a failure"
+        assert condition(c.status(ns, self.name), "Suspended").get("status") == "False"
+        return st, restored
+
     def _steps(self, pod: str) -> list[int]:
         events = self.cluster.trainer_events(self.namespace, pod)
         return [int(e["step"]) for e in events if e.get("event") == "step"]

@@ -34,7 +34,10 @@ PHASE_CONDITION = {
     Phase.RESTARTING: Condition.RESTARTING,
     Phase.SUCCEEDED: Condition.SUCCEEDED,
     Phase.FAILED: Condition.FAILED,
+    Phase.SUSPENDED: Condition.SUSPENDED,
 }
+ONLY_ONCE_TRUE = (Condition.SUSPENDED,)
+"""Phases' conditions absent until first True (most jobs are never suspended)."""
 ORDER = tuple(Condition)
 """How the list is kept: the phases' conditions first, then Restarted."""
 LEGACY = ("Waiting",)
@@ -93,12 +96,15 @@ def enter_phase(
     generation: int,
 ) -> list[dict[str, Any]]:
     """The conditions on entering ``phase``: its own True with ``reason``; the other
-    phases' False (with ``reason`` where they turn False now, unchanged where they were)."""
+    phases' False (with ``reason`` where they turn False now, unchanged where they were).
+    Suspended is written only for a job that has been suspended (as a Kubernetes Job's)."""
     out: Sequence[Mapping[str, Any]] = conditions
     for other, kind in PHASE_CONDITION.items():
         if other is phase:
             continue
         old = find(out, kind)
+        if old is None and kind in ONLY_ONCE_TRUE:
+            continue
         if old is None or old.get("status") != "False":
             out = set_condition(out, kind, False, reason, message, now=now, generation=generation)
     own = PHASE_CONDITION[phase]

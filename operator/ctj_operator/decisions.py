@@ -32,6 +32,10 @@ yet (the view lags our own creates): it is not judged gone before."""
 TERMINAL = ("Succeeded", "Failed")
 
 
+SUSPEND = "Suspended"
+"""The reason of an attempt ended by spec.suspend (a planned end that starts nothing)."""
+
+
 class Cause(enum.StrEnum):
     """Why an attempt ended, which decides what it costs the job."""
 
@@ -566,7 +570,7 @@ def observed(obs: Observation) -> PatchStatus | None:
         changes = (why,) if pending else ()
     if obs.selector and obs.selector != state.selector:
         update["selector"] = obs.selector
-    if state.start_time is None and state.phase not in TERMINAL:
+    if state.start_time is None and state.phase not in TERMINAL and not obs.spec.suspend:
         update["startTime"] = rfc3339(obs.now)
     return PatchStatus(update, changes) if update else None
 
@@ -639,7 +643,7 @@ def _active(obs: Observation) -> Plan:
     late = deadline_passed(obs)
     if late:
         return _fail(obs, current, "DeadlineExceeded", late, actions)
-    if state.attempt == 0 or state.phase == "Restarting":
+    if state.attempt == 0 or state.phase in ("Restarting", "Suspended"):
         return _between_attempts(obs, current, actions)
     if not state.pods_created and obs.refused:  # the attempt fails with the API's reason
         rejected = Ending("PodRejected", f"the API rejected a pod: {obs.refused}", Cause.CRASH)
@@ -689,6 +693,8 @@ def _running(obs: Observation, current: Sequence[PodView], actions: list[Action]
             update["lastRecovery"] = recovery_budget(state, now)
     if obs.last_checkpoint and dict(obs.last_checkpoint) != dict(state.last_checkpoint or {}):
         update["lastCheckpoint"] = dict(obs.last_checkpoint)
+    if spec.suspend:
+        return _begin_transition(obs, SUSPEND, "spec.suspend is true", actions, update)
     if spec.replicas < state.world_size:
         reason, msg = "Resize", f"spec.replicas {spec.replicas} < world size {state.world_size}"
         return _begin_transition(obs, reason, msg, actions, update)
@@ -769,6 +775,7 @@ def _begin_transition(
     if obs.spec.transition_timeout_seconds <= 0:
         return _end_attempt(obs, [], Ending(reason, message, Cause.PLANNED), actions)
     request = f"{state.attempt}-{reason}-{int(now)}"
+    then = "its pods go" if reason == SUSPEND else "restart"
     update["transition"] = {
         "reason": reason,
         "message": message,
@@ -780,7 +787,7 @@ def _begin_transition(
             *actions,
             PatchStatus(update),
             RequestCheckpoint(state.attempt, state.world_size, request),
-            Emit("Normal", "CheckpointRequested", f"{message}: checkpointing before restart"),
+            Emit("Normal", "CheckpointRequested", f"{message}: checkpointing before {then}"),
         ),
         requeue_after=1.0,
     )
@@ -858,14 +865,18 @@ def _end_attempt(
             "survivors": list(kept) or None,
         }
     )
-    restarting = phase_conditions(Phase.RESTARTING, ending.reason, ending.message, restarted=True)
+    suspending = ending.reason == SUSPEND  # no restart: nothing starts until resumed
+    restarting = phase_conditions(
+        Phase.RESTARTING, ending.reason, ending.message, restarted=not suspending
+    )
     kind = "Normal" if ending.cause is Cause.PLANNED else "Warning"
+    said = "suspending" if suspending else "restarting"
     return Plan(
         (
             *actions,
             PatchStatus(update, restarting),
-            Emit(kind, ending.reason, f"restarting: {ending.message}"),
-            Restarted(ending.reason, ending.cause),
+            Emit(kind, ending.reason, f"{said}: {ending.message}"),
+            *([] if suspending else [Restarted(ending.reason, ending.cause)]),
             *_teardown(obs, current, suspect, stuck=ending.stuck, keep=kept),
             PatchStatus({"tornDown": True}),
         ),
@@ -929,7 +940,11 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
     kept = [
         p
         for p in current
-        if p.name in state.survivors and p.relaunchable and p.node_name in live and not fresh
+        if p.name in state.survivors
+        and p.relaunchable
+        and p.node_name in live
+        and not fresh
+        and not spec.suspend
     ]
     if state.attempt and not state.torn_down:  # the operator stopped mid-teardown
         keep = [p.name for p in kept]
@@ -959,6 +974,8 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
             note=f"{len(lingering)} pods of attempt {state.attempt} still terminating "
             f"(first: {lingering[0].name})",
         )
+    if spec.suspend:
+        return _suspended(obs, actions)
     if state.not_before is not None and now < state.not_before:
         return Plan(tuple(actions), requeue_after=state.not_before - now, note="backoff")
     target = target_size(obs, suspect)
@@ -1033,6 +1050,37 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
             CreateAttempt(attempt, target, tuple(sorted(suspect)), carried),
             PatchStatus({"podsCreated": True}),
         )
+    )
+
+
+def _suspended(obs: Observation, actions: list[Action]) -> Plan:
+    """spec.suspend with no attempt running: no pod (its spares go too), phase Suspended,
+    and status.startTime cleared, so that spec.activeDeadlineSeconds counts again from the
+    resume (as a Kubernetes Job's does)."""
+    state = obs.state
+    spares = tuple(p.name for p in obs.pods if p.spare and not p.terminating)
+    deletes: list[Action] = [DeletePods(spares)] if spares else []
+    if state.phase == Phase.SUSPENDED:
+        if deletes and not any(isinstance(a, PatchStatus) for a in actions):
+            actions.append(PatchStatus({}))  # first: a stale view deletes nothing
+        return Plan((*actions, *deletes), note="suspended (spec.suspend)")
+    ended = state.condition(Condition.RESTARTING)
+    if state.attempt and ended.get("reason") == SUSPEND:  # how the suspend's attempt ended
+        message = f"attempt {state.attempt}: {ended.get('message')}"
+    elif state.attempt:
+        message = f"attempt {state.attempt} ended ({ended.get('reason')}); spec.suspend is true"
+    else:
+        message = "spec.suspend is true: no attempt starts until it is false"
+    update = {"phase": "Suspended", "startTime": None, "notBefore": None, "spares": 0}
+    entered = (EnterPhase(Phase.SUSPENDED, SUSPEND, message),)
+    return Plan(
+        (
+            *[a for a in actions if not isinstance(a, PatchStatus)],
+            PatchStatus({**Plan(tuple(actions)).status(), **update}, entered),
+            *deletes,
+            Emit("Normal", SUSPEND, message),
+        ),
+        note="suspended (spec.suspend)",
     )
 
 

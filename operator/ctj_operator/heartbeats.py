@@ -95,7 +95,7 @@ class JobAsk:
         attempt, whether it is over, the checkpoint request of a planned transition and,
         where the pods run the launcher, their placement (the rendezvous is node rank 0's
         pod: the first carried, or the one this attempt made)."""
-        ended = state.phase in (Phase.RESTARTING, Phase.SUCCEEDED, Phase.FAILED)
+        ended = state.phase in (Phase.RESTARTING, Phase.SUSPENDED, Phase.SUCCEEDED, Phase.FAILED)
         placement = None
         if relaunches and state.attempt and state.world_size and not ended:
             rank0 = state.carried[0] if state.carried else pod_name(job, state.attempt, 0)

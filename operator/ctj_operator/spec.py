@@ -133,6 +133,9 @@ class JobSpec:
     """The job fails (DeadlineExceeded) this long after status.startTime; None: never."""
     ttl_seconds_after_finished: int | None = None
     """A finished job is deleted this long after it finished; None: never."""
+    suspend: bool = False
+    """spec.suspend: the running attempt checkpoints at its next step boundary and stops,
+    and no attempt starts until it is false again (then resumed from that step)."""
 
     def __post_init__(self) -> None:
         if not self.min_replicas <= self.replicas <= self.max_replicas:
@@ -221,6 +224,7 @@ class JobSpec:
             transition_timeout_seconds=float(transitions.get("checkpointTimeoutSeconds", 120.0)),
             active_deadline_seconds=_optional_int(spec.get("activeDeadlineSeconds")),
             ttl_seconds_after_finished=_optional_int(spec.get("ttlSecondsAfterFinished")),
+            suspend=bool(spec.get("suspend", False)),
         )
 
 

@@ -1,4 +1,4 @@
-"""One job through a node loss, its return, a resize and a delete, on simulated nodes:
+"""One job through a node loss, its return, a resize, a suspend and a delete, on simulated nodes:
 the scenario the e2e tier runs on kind (ctj_stack.scenario.Lifecycle), plus what only
 this tier can see (the operator's own /metrics, the logs of pods already gone, the node
 caches' share of a restore).
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.cluster
 TRAINING = {"CTJ_TOTAL_STEPS": "1000000", "CTJ_STEP_DELAY_S": "0.1"}
 
 
-def test_one_job_through_a_node_loss_its_return_a_resize_and_a_delete(
+def test_one_job_through_a_node_loss_its_return_a_resize_a_suspend_and_a_delete(
     op_cluster: Cluster,
     operator: OperatorProcess,
     job_namespace: str,
@@ -86,6 +86,18 @@ def test_one_job_through_a_node_loss_its_return_a_resize_and_a_delete(
 
     scenario.resized()  # 3 -> 2, planned too
     assert_planned_handover(op_cluster, ns, name, 2, before=3)
+
+    # suspended (every pod gone, nothing counted) and resumed at 3: attempt 4 saved the
+    # step it stopped at; attempt 5 restored exactly it, resharded 2 -> 3
+    scenario.suspended_and_resumed()
+    assert scenario.attempt == 5
+    assert_planned_handover(op_cluster, ns, name, 3, before=4)
+    assert (
+        metric_value(
+            operator.metrics(), "ctj_job_restarts_total", reason="Suspended", cause="planned"
+        )
+        == 0
+    ), "a suspend is no restart"
     wide = sim.kubectl("get", f"ctj/{name}", "-n", ns, "-o", "wide").splitlines()
     assert "Running" in wide[1]
 

@@ -110,6 +110,11 @@ class TestJobLifecycle:
     def test_kubectl_scale_resizes_the_job(self, scenario: Lifecycle) -> None:
         scenario.resized()
 
+    def test_a_suspended_job_checkpoints_stops_and_resumes_at_another_size(
+        self, scenario: Lifecycle
+    ) -> None:
+        scenario.suspended_and_resumed()
+
     def test_a_trainer_paused_for_less_than_the_timeout_keeps_its_attempt(
         self, scenario: Lifecycle, node_control: NodeControl
     ) -> None:
@@ -151,6 +156,9 @@ class TestPytorchJobLifecycle(TestJobLifecycle):
     # node's return (ScaleUp) has just taken with this backend (a planned stop, a new
     # PyTorchJob at another world size); the pods backend runs it above.
     test_kubectl_scale_resizes_the_job = None  # type: ignore[assignment]
+    # a suspend is the same planned stop (its pods or its PyTorchJob deleted), then no
+    # attempt until resumed: the operator's, whatever the backend
+    test_a_suspended_job_checkpoints_stops_and_resumes_at_another_size = None  # type: ignore[assignment]
     # detection is the operator's and the sidecar's, whatever made the pods
     test_a_trainer_paused_for_less_than_the_timeout_keeps_its_attempt = None  # type: ignore[assignment]
     test_a_hung_trainer_restarts_the_job_within_seconds = None  # type: ignore[assignment]
