@@ -13,7 +13,7 @@
 #
 # Why from source: these machines have no Docker and cannot reach GitHub or dl.k8s.io, only
 # the Go module proxy. The wrapper modules in hack/gomod/ (see regen.sh there) pin
-# k8s.io/kubernetes, etcd, helm, Kubeflow's training-operator and SeaweedFS (the tests' and
+# k8s.io/kubernetes, etcd, helm, Kubeflow's training-operator, Kueue and SeaweedFS (the tests' and
 # benchmarks' real S3 server); every binary is built from them with the local Go. The training-operator's directory also gets its PyTorchJob CRD and
 # ClusterRole (crds/, rbac/), copied from the same module version.
 #
@@ -108,6 +108,15 @@ extras_dl_kind() {
 }
 
 kubeflow_pkg=github.com/kubeflow/training-operator
+kueue_pkg=sigs.k8s.io/kueue
+# extras_kueue DIR: Kueue's CRDs and its manager's ClusterRole, from the module built
+extras_kueue() {
+  local src
+  src="$(cd "$hack/gomod/kueue" && go list -m -f '{{.Dir}}' "$kueue_pkg")/config/components"
+  mkdir -p "$1/crds" "$1/rbac"
+  cp "$src"/crd/bases/*.yaml "$1/crds/"
+  cp "$src/rbac/role.yaml" "$1/rbac/"
+}
 # extras_kube-network-policies DIR: its main package is .../cmd, which `go build -o DIR/`
 # names `cmd`
 extras_kube-network-policies() { mv "$1/bin/cmd" "$1/bin/kube-network-policies"; }
@@ -140,6 +149,8 @@ helm_dir="$(recipe_dir helm "$HELM_VERSION" "$hack/gomod/helm" "$helm_ldflags")"
 kubeflow_ldflags="-s -w"
 kubeflow_dir="$(recipe_dir kubeflow "$KUBEFLOW_TRAINING_OPERATOR_VERSION" "$hack/gomod/kubeflow" \
   "$kubeflow_ldflags")"
+kueue_ldflags="-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
+kueue_dir="$(recipe_dir kueue "$KUEUE_VERSION" "$hack/gomod/kueue" "$kueue_ldflags")"
 seaweedfs_ldflags="-s -w"
 seaweedfs_dir="$(recipe_dir seaweedfs "$SEAWEEDFS_VERSION" "$hack/gomod/seaweedfs" "$seaweedfs_ldflags")"
 # a complete downloaded directory stands for the built one (hack/registry/download.sh)
@@ -164,6 +175,7 @@ print_paths() {
   echo "CTJ_K8S_BIN_DIR=$k8s_dir/bin"
   echo "CTJ_HELM_BIN_DIR=$helm_dir/bin"
   echo "CTJ_KUBEFLOW_BIN_DIR=$kubeflow_dir/bin"
+  echo "CTJ_KUEUE_BIN_DIR=$kueue_dir/bin"
   echo "CTJ_SEAWEEDFS_BIN_DIR=$seaweedfs_dir/bin"
 }
 
@@ -260,7 +272,7 @@ if [ "$mode" = "--kind" ] || [ "$mode" = "--kind-check" ]; then
 fi
 
 missing=()
-for d in "$etcd_dir" "$k8s_dir" "$helm_dir" "$kubeflow_dir" "$seaweedfs_dir"; do [ -f "$d/.complete" ] || missing+=("$d"); done
+for d in "$etcd_dir" "$k8s_dir" "$helm_dir" "$kubeflow_dir" "$kueue_dir" "$seaweedfs_dir"; do [ -f "$d/.complete" ] || missing+=("$d"); done
 if [ "$mode" = "--check" ]; then
   print_paths
   if (( ${#missing[@]} )); then log "not built: ${missing[*]}"; exit 3; fi
@@ -277,6 +289,9 @@ fi
 if [ ! -f "$kubeflow_dir/.complete" ]; then
   build kubeflow "$kubeflow_dir" "$hack/gomod/kubeflow" "$kubeflow_ldflags" \
     "$kubeflow_pkg/cmd/training-operator.v1"
+fi
+if [ ! -f "$kueue_dir/.complete" ]; then
+  build kueue "$kueue_dir" "$hack/gomod/kueue" "$kueue_ldflags" "$kueue_pkg/cmd/kueue"
 fi
 if [ ! -f "$seaweedfs_dir/.complete" ]; then
   build seaweedfs "$seaweedfs_dir" "$hack/gomod/seaweedfs" "$seaweedfs_ldflags" \

@@ -3,7 +3,7 @@
 #
 #   hack/gomod/regen.sh              all of them
 #   hack/gomod/regen.sh kind coredns only those named (k8s k8s-node etcd helm kubeflow
-#                                    seaweedfs kind coredns cri-tools)
+#                                    kueue seaweedfs kind coredns cri-tools)
 #
 # Why generated: k8s.io/kubernetes is not meant to be required as a library; its
 # go.mod replaces every k8s.io staging module with ./staging/src/..., which only
@@ -73,6 +73,11 @@ if wanted kubeflow; then
   plain_module "$here/kubeflow" kubeflow 1.22 github.com/kubeflow/training-operator \
     "$KUBEFLOW_TRAINING_OPERATOR_VERSION"
   done_list+=("$here/kubeflow")
+fi
+# --- Kueue (its manager: the queue that admits and preempts workloads) ---------
+if wanted kueue; then
+  plain_module "$here/kueue" kueue 1.26.0 sigs.k8s.io/kueue "$KUEUE_VERSION"
+  done_list+=("$here/kueue")
 fi
 # --- SeaweedFS (weed) -------------------------------------------------------
 if wanted seaweedfs; then

@@ -38,6 +38,8 @@ from .network_policy import (
     PeerSelector,
     default_prometheus,
 )
+from .queue import GROUP as KUEUE_GROUP
+from .queue import VERSION as KUEUE_VERSION
 from .runtime import Operator, OperatorConfig
 from .spec import NodeCache, SpecError
 
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     api = _api_client(args.kubeconfig)
     if _has_pytorchjobs(api):
         handlers.register_pytorchjobs()
+    if _serves(api, KUEUE_GROUP, KUEUE_VERSION, "workloads"):
+        handlers.register_kueue()  # jobs with a queue label wait for Kueue's admission
     config = OperatorConfig(
         sidecar_image=args.sidecar_image or DEFAULT_SIDECAR_IMAGE,
         node_cache=_node_cache(parser, args),
@@ -291,11 +295,17 @@ def watch_namespaces(value: str) -> list[str]:
 def _has_pytorchjobs(api: client.ApiClient) -> bool:
     """Whether kubeflow.org/v1 serves pytorchjobs (then kopf watches them; else the
     pytorchjob backend reads its PyTorchJob with one GET per reconcile)."""
+    return _serves(api, "kubeflow.org", "v1", "pytorchjobs")
+
+
+def _serves(api: client.ApiClient, group: str, version: str, plural: str) -> bool:
+    """Whether the API server serves ``plural`` in ``group/version`` (read at start-up: a
+    controller installed later is seen after the operator's next restart)."""
     try:
-        resources = client.CustomObjectsApi(api).get_api_resources("kubeflow.org", "v1")
+        resources = client.CustomObjectsApi(api).get_api_resources(group, version)
     except client.exceptions.ApiException:
         return False
-    return any(r.name == "pytorchjobs" for r in resources.resources)
+    return any(r.name == plural for r in resources.resources)
 
 
 class _Alive(http.server.BaseHTTPRequestHandler):

@@ -23,6 +23,9 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from .decisions import Action, CreateAttempt, CreateSpares
+from .queue import GROUP as KUEUE_GROUP
+from .queue import VERSION as KUEUE_VERSION
+from .queue import WORKLOADS
 from .render import Call, Kind, Rendered, Verb
 
 log = logging.getLogger("ctj.operator")
@@ -136,6 +139,7 @@ class Api:
             Kind.SECRET: _Typed(core, "secret"),
             Kind.NETWORK_POLICY: _Typed(client.NetworkingV1Api(api_client), "network_policy"),
             Kind.PYTORCHJOB: _Custom(custom, "kubeflow.org", "v1", "pytorchjobs"),
+            Kind.WORKLOAD: _Custom(custom, KUEUE_GROUP, KUEUE_VERSION, WORKLOADS),
             Kind.JOB: jobs,
         }
         return cls(kinds, jobs)
@@ -215,6 +219,14 @@ def _send(call: Call, api: Api, rv: str) -> str:
             if exc.status == 409:  # changed since read: the next tick decides again
                 raise _StaleView from exc
             if exc.status != 404:
+                raise
+        return rv
+    if call.verb == Verb.STATUS:  # changed since observed, or gone: the next tick sees it
+        assert isinstance(objects, _Custom)
+        try:
+            objects.patch_status(ns, name, call.body)
+        except ApiException as exc:
+            if exc.status not in (404, 409):
                 raise
         return rv
     if call.verb == Verb.EVENT:

@@ -341,6 +341,25 @@ def rank_footprint(spec: JobSpec) -> dict[str, Any]:
     return footprint
 
 
+def placed(
+    template: Mapping[str, Any],
+    node_labels: Mapping[str, str],
+    tolerations: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    """The pod template with what Kueue's admitted ResourceFlavors add (their node labels
+    into nodeSelector, their tolerations), as Kueue's own job integrations add them."""
+    out = copy.deepcopy(dict(template))
+    pod_spec = out.setdefault("spec", {})
+    pod_spec["nodeSelector"] = {**(pod_spec.get("nodeSelector") or {}), **node_labels}
+    have = list(pod_spec.get("tolerations") or [])
+    pod_spec["tolerations"] = have + [dict(t) for t in tolerations if dict(t) not in have]
+    if not pod_spec["tolerations"]:
+        del pod_spec["tolerations"]
+    if not pod_spec["nodeSelector"]:
+        del pod_spec["nodeSelector"]
+    return out
+
+
 def _place(pod_spec: dict[str, Any], job: str, avoid: tuple[str, ...]) -> None:
     """One pod of the job per node (losing a node loses one rank, not several; a spare is
     never beside a rank), off ``avoid``. Pods of an ended attempt are gone before the next

@@ -22,7 +22,9 @@ from typing import Any
 
 from ctj_contract import Condition, Phase, parse_time, rfc3339
 
+from . import queue as kueue
 from .builders import spare_name
+from .queue import Queue
 from .spec import JobSpec
 
 MAX_BACKOFF_S = 300.0
@@ -34,6 +36,11 @@ TERMINAL = ("Succeeded", "Failed")
 
 SUSPEND = "Suspended"
 """The reason of an attempt ended by spec.suspend (a planned end that starts nothing)."""
+EVICTED = "Evicted"
+"""The reason of an attempt ended because Kueue evicted the job's Workload (a planned
+end; the next attempt waits for Kueue to admit the job again)."""
+PAUSES = (SUSPEND, EVICTED)
+"""Planned ends that start no attempt by themselves: not restarts."""
 
 
 class Cause(enum.StrEnum):
@@ -172,6 +179,8 @@ class Observation:
     quota, admission), as the last reconcile's apply reported it; "" where it did not."""
     job: str = ""
     """The job's name (what the spares it makes are named after)."""
+    queue: Queue | None = None
+    """What Kueue said of the job, where it names a LocalQueue (queue.py)."""
 
 
 # ---- the actions a plan is made of (handlers.py applies each) ----
@@ -220,6 +229,10 @@ class CreateAttempt:
     world_size: int
     avoid: tuple[str, ...] = ()  # suspect nodes: kept off by node affinity (they read Ready)
     carried: tuple[str, ...] = ()
+    node_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """What the admitted Kueue ResourceFlavors add to the pods' nodeSelector."""
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    """And to their tolerations."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -280,6 +293,33 @@ class Recovered:
     seconds: float
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CreateWorkload:
+    """The job's Kueue Workload (queue.py): ``count`` ranks, admitted at ``min_count`` or
+    more; ``priority``: its WorkloadPriorityClass and value."""
+
+    count: int
+    min_count: int
+    priority: tuple[str, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PatchWorkload:
+    """A write of the Workload's status, conditional on the version observed (one changed
+    since is left to the next tick, which sees it)."""
+
+    name: str
+    resource_version: str
+    status: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeleteWorkload:
+    """Its quota back at once (a suspended job asks Kueue again when it resumes)."""
+
+    name: str
+
+
 Action = (
     PatchStatus
     | CreateAttempt
@@ -291,6 +331,9 @@ Action = (
     | Emit
     | Restarted
     | Recovered
+    | CreateWorkload
+    | PatchWorkload
+    | DeleteWorkload
 )
 
 
@@ -539,6 +582,9 @@ def _cleared_suspects(obs: Observation) -> dict[str, float]:
 def target_size(obs: Observation, suspect: Mapping[str, float]) -> int:
     fits = [n for n in obs.fits if n not in suspect]
     cap = obs.state.size_cap if obs.state.size_cap is not None else obs.spec.max_replicas
+    workload = obs.queue.workload if obs.queue is not None else None
+    if workload is not None and workload.admitted_count is not None:
+        cap = min(cap, workload.admitted_count)  # what Kueue admitted, no more
     return min(obs.spec.replicas, obs.spec.max_replicas, cap, len(fits))
 
 
@@ -621,7 +667,16 @@ def _finished(obs: Observation) -> Plan:
         )
     )
     requeue = None if ttl is None or finished is None else max(0.0, finished + ttl - obs.now)
-    return Plan((*_older(obs), *([DeletePods(running)] if running else [])), requeue_after=requeue)
+    done: list[Action] = []
+    workload = obs.queue.workload if obs.queue is not None else None
+    if workload is not None and not workload.finished:  # Kueue takes its quota back
+        ended = state.condition(Condition.SUCCEEDED if state.phase == "Succeeded" else
+                                Condition.FAILED)  # fmt: skip
+        message = str(ended.get("message") or state.phase)
+        status = kueue.finished(workload, state.phase == "Succeeded", message, obs.now)
+        done.append(PatchWorkload(workload.name, workload.resource_version, status))
+    running_pods = [DeletePods(running)] if running else []
+    return Plan((*_older(obs), *running_pods, *done), requeue_after=requeue)
 
 
 def deadline_passed(obs: Observation) -> str:
@@ -695,6 +750,9 @@ def _running(obs: Observation, current: Sequence[PodView], actions: list[Action]
         update["lastCheckpoint"] = dict(obs.last_checkpoint)
     if spec.suspend:
         return _begin_transition(obs, SUSPEND, "spec.suspend is true", actions, update)
+    queued = obs.queue.workload if obs.queue is not None else None
+    if obs.queue is not None and (queued is None or queued.evicted or not queued.admitted):
+        return _begin_transition(obs, EVICTED, _evicted_why(obs.queue), actions, update)
     if spec.replicas < state.world_size:
         reason, msg = "Resize", f"spec.replicas {spec.replicas} < world size {state.world_size}"
         return _begin_transition(obs, reason, msg, actions, update)
@@ -715,6 +773,10 @@ def _running(obs: Observation, current: Sequence[PodView], actions: list[Action]
     elif state.capacity_since is not None:
         update["capacitySince"] = None
     spares = _spare_upkeep(obs, current, all_running, suspect)
+    if queued is not None and all_running:  # Kueue evicts a Workload never ready
+        ready = kueue.pods_ready(queued, now)
+        if ready is not None:
+            spares.append(PatchWorkload(queued.name, queued.resource_version, ready))
     running_spares = sum(1 for p in obs.pods if p.spare and p.relaunchable)
     if running_spares != (obs.state.spares or 0):
         update["spares"] = running_spares
@@ -766,6 +828,17 @@ def _spare_upkeep(
     return actions
 
 
+def _evicted_why(queue: Queue) -> str:
+    """Why a running queued job stops: Kueue evicted its Workload, or it is gone."""
+    workload = queue.workload
+    if workload is None:
+        return f"its Kueue Workload is gone (LocalQueue {queue.name})"
+    evicted = workload.condition("Evicted")
+    if evicted.get("status") == "True":
+        return f"Kueue evicted it ({evicted.get('reason')}): {evicted.get('message')}"
+    return f"Kueue no longer admits it (LocalQueue {queue.name})"
+
+
 def _begin_transition(
     obs: Observation, reason: str, message: str, actions: list[Action], update: dict[str, Any]
 ) -> Plan:
@@ -775,7 +848,7 @@ def _begin_transition(
     if obs.spec.transition_timeout_seconds <= 0:
         return _end_attempt(obs, [], Ending(reason, message, Cause.PLANNED), actions)
     request = f"{state.attempt}-{reason}-{int(now)}"
-    then = "its pods go" if reason == SUSPEND else "restart"
+    then = "its pods go" if reason in PAUSES else "restart"
     update["transition"] = {
         "reason": reason,
         "message": message,
@@ -865,12 +938,12 @@ def _end_attempt(
             "survivors": list(kept) or None,
         }
     )
-    suspending = ending.reason == SUSPEND  # no restart: nothing starts until resumed
+    suspending = ending.reason in PAUSES  # no restart: nothing starts until resumed
     restarting = phase_conditions(
         Phase.RESTARTING, ending.reason, ending.message, restarted=not suspending
     )
     kind = "Normal" if ending.cause is Cause.PLANNED else "Warning"
-    said = "suspending" if suspending else "restarting"
+    said = {SUSPEND: "suspending", EVICTED: "stopping"}.get(ending.reason, "restarting")
     return Plan(
         (
             *actions,
@@ -978,6 +1051,10 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
         return _suspended(obs, actions)
     if state.not_before is not None and now < state.not_before:
         return Plan(tuple(actions), requeue_after=state.not_before - now, note="backoff")
+    if obs.queue is not None:
+        waiting = _not_admitted(obs, obs.queue, actions)
+        if waiting is not None:
+            return waiting
     target = target_size(obs, suspect)
     if target < spec.min_replicas:
         fits = len([n for n in obs.fits if n not in suspect])
@@ -1041,16 +1118,67 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
         start["attemptGeneration"] = obs.generation
     if state.storage is None:
         start["storage"] = {"uri": obs.uri}
+    node_labels, tolerations = obs.queue.placement() if obs.queue else ({}, [])
     return Plan(
         (
             *[a for a in actions if not isinstance(a, PatchStatus)],
             PatchStatus(start, started),
             *unkept,
             Emit("Normal", "AttemptStarted", message),
-            CreateAttempt(attempt, target, tuple(sorted(suspect)), carried),
+            CreateAttempt(
+                attempt, target, tuple(sorted(suspect)), carried, node_labels, tuple(tolerations)
+            ),  # fmt: skip
             PatchStatus({"podsCreated": True}),
         )
     )
+
+
+def _not_admitted(obs: Observation, queue: Queue, actions: list[Action]) -> Plan | None:
+    """A queued job between attempts, until Kueue admits it (None: admitted, start). Its
+    Workload is made once; an evicted one's quota is given back once no pod of the job is
+    left (the caller waited for that), and Kueue requeues it."""
+    state, workload = obs.state, queue.workload
+    if not queue.installed:
+        reason = "KueueNotServed"
+        message = (
+            f"the job names LocalQueue {queue.name} (label {kueue.QUEUE_LABEL}) but this "
+            f"cluster serves no {kueue.GROUP}/{kueue.VERSION} Workloads: install Kueue "
+            "(v0.19 or later) or remove the label"
+        )
+    elif queue.priority_missing:
+        reason = "PriorityClassNotFound"
+        message = (
+            f"no WorkloadPriorityClass {queue.priority_missing} (label "
+            f"{kueue.PRIORITY_LABEL}): create it or remove the label"
+        )
+    elif workload is None:
+        reason, message = "WaitingForAdmission", f"waiting for Kueue (LocalQueue {queue.name})"
+        actions.append(PatchStatus({}))  # first: a stale view makes nothing
+        actions.append(CreateWorkload(obs.spec.replicas, obs.spec.min_replicas, queue.priority))
+    elif workload.evicted and workload.holds("QuotaReserved"):
+        evicted = workload.condition("Evicted")
+        reason = str(evicted.get("reason") or EVICTED)
+        message = f"Kueue evicted the job: {evicted.get('message')}; its quota is given back"
+        actions.append(PatchStatus({}))
+        released = kueue.released(workload, obs.now)
+        actions.append(PatchWorkload(workload.name, workload.resource_version, released))
+    elif not workload.admitted:
+        reason, message = "WaitingForAdmission", f"waiting for Kueue (LocalQueue {queue.name})"
+    else:
+        return None
+    queued = state.condition(Condition.QUEUED)
+    if (queued.get("status"), queued.get("reason"), queued.get("message")) != (
+        "True",
+        reason,
+        message,
+    ):
+        why = SetCondition(Condition.QUEUED, True, reason, message)
+        phase = state.phase if state.attempt else "Pending"
+        first = [a for a in actions if not isinstance(a, PatchStatus)]
+        status = Plan(tuple(actions)).status()
+        actions = [PatchStatus({**status, "phase": phase}, (why,)), *first]
+        actions.append(Emit("Normal", reason, message))
+    return Plan(tuple(actions), requeue_after=5.0, note=f"queued: {reason}")
 
 
 def _suspended(obs: Observation, actions: list[Action]) -> Plan:
@@ -1060,6 +1188,8 @@ def _suspended(obs: Observation, actions: list[Action]) -> Plan:
     state = obs.state
     spares = tuple(p.name for p in obs.pods if p.spare and not p.terminating)
     deletes: list[Action] = [DeletePods(spares)] if spares else []
+    if obs.queue is not None and obs.queue.workload is not None:  # its quota back
+        deletes.append(DeleteWorkload(obs.queue.workload.name))
     if state.phase == Phase.SUSPENDED:
         if deletes and not any(isinstance(a, PatchStatus) for a in actions):
             actions.append(PatchStatus({}))  # first: a stale view deletes nothing

@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 from ctj_contract import GROUP, LABEL_ATTEMPT, LABEL_JOB, PLURAL, VERSION
 
-from . import capacity
+from . import capacity, queue
 from .builders import pytorchjob_failure
 from .decisions import TERMINAL
 from .observe import Indexes, node_summary, pod_summary
@@ -73,6 +73,29 @@ async def ctj_pytorchjobs(
     return {(namespace, labels[LABEL_JOB]): (attempt, pytorchjob_failure(dict(body)))}
 
 
+async def ctj_workloads(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> Any:
+    """Registered by ``register_kueue`` where Kueue's API is served: each job's Workload."""
+    return {(namespace, labels[LABEL_JOB]): queue.workload_view(body)}
+
+
+async def kueue_flavors(name: str, body: kopf.Body, **_: Any) -> Any:
+    return {name: queue.flavor_of(body)}
+
+
+async def kueue_priorities(name: str, body: kopf.Body, **_: Any) -> Any:
+    return {name: int(body.get("value") or 0)}
+
+
+def register_kueue() -> None:
+    """Kueue's Workloads (those of our jobs), ResourceFlavors and WorkloadPriorityClasses."""
+    g, v = queue.GROUP, queue.VERSION
+    kopf.index(g, v, queue.WORKLOADS, labels={LABEL_JOB: kopf.PRESENT})(ctj_workloads)
+    kopf.index(g, v, "resourceflavors")(kueue_flavors)
+    kopf.index(g, v, "workloadpriorityclasses")(kueue_priorities)
+
+
 def register_pytorchjobs() -> None:
     kopf.index("kubeflow.org", "v1", "pytorchjobs", labels={LABEL_JOB: kopf.PRESENT})(
         ctj_pytorchjobs
@@ -114,6 +137,9 @@ def reconcile_job(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
         usage=kwargs["node_usage"],
         nodes=kwargs["cluster_nodes"],
         pytorchjobs=kwargs.get("ctj_pytorchjobs"),
+        workloads=kwargs.get("ctj_workloads"),
+        flavors=kwargs.get("kueue_flavors") or {},
+        priorities=kwargs.get("kueue_priorities") or {},
     )
     reconcile(_operator(memo), body, indexes)
 

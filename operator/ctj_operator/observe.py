@@ -33,6 +33,7 @@ from .builders import (
     rank_footprint,
 )
 from .decisions import JobState, NodeView, Observation, PodView
+from .queue import Flavor, Queue, WorkloadView
 from .spec import Backend, JobSpec
 
 
@@ -246,6 +247,12 @@ class Indexes:
     nodes: Mapping[str, Iterable[dict[str, Any]]]  # node name -> node_summary
     pytorchjobs: Mapping[JobKey, Iterable[tuple[int, str]]] | None = None
     """(attempt, why the Kubeflow controller failed it) where the PyTorchJob CRD is watched."""
+    workloads: Mapping[JobKey, Iterable[WorkloadView]] | None = None
+    """Each job's Kueue Workload, where Kueue's API is served (None: it is not)."""
+    flavors: Mapping[str, Iterable[Flavor]] = dataclasses.field(default_factory=dict)
+    """Kueue ResourceFlavor name -> what it adds to pods admitted on it."""
+    priorities: Mapping[str, Iterable[int]] = dataclasses.field(default_factory=dict)
+    """Kueue WorkloadPriorityClass name -> its value."""
 
 
 ReadPyTorchJob = Callable[[str, str], Mapping[str, Any] | None]
@@ -317,7 +324,26 @@ def observe(
         selector=job_selector(name),
         refused=refused,
         job=name,
+        queue=_queue(spec, key, indexes),
     )
+
+
+def _queue(spec: JobSpec, key: JobKey, indexes: Indexes) -> Queue | None:
+    """What Kueue said of a queued job (None: the job names no queue)."""
+    if spec.queue is None:
+        return None
+    if indexes.workloads is None:
+        return Queue(spec.queue, installed=False)
+    workload = next(iter(indexes.workloads.get(key, ())), None)
+    priority, missing = None, ""
+    if spec.priority_class is not None:
+        value = next(iter(indexes.priorities.get(spec.priority_class, ())), None)
+        if value is None:
+            missing = spec.priority_class
+        else:
+            priority = (spec.priority_class, value)
+    flavors = {name: flavor for name, found in indexes.flavors.items() for flavor in found}
+    return Queue(spec.queue, True, workload, flavors, priority, missing)
 
 
 def _worker_exit(workers: Freshness, key: tuple[str, str]) -> tuple[WorkerExit, float] | None:

@@ -27,7 +27,7 @@ from ctj_contract.tokens import job_token
 
 from . import conditions
 from .apply import apply
-from .decisions import CreateAttempt, Observation, decide, invalid_spec, job_state
+from .decisions import CreateAttempt, Emit, Observation, decide, invalid_spec, job_state
 from .heartbeats import JobAsk
 from .observe import Indexes, observe
 from .render import Target, render_plan
@@ -52,6 +52,7 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
             dict(body.get("spec") or {}),
             sidecar_image=op.config.sidecar_image,
             node_cache=op.config.node_cache,
+            labels=meta.get("labels") or {},
         )
     except SpecError as exc:
         invalid = str(exc)
@@ -95,6 +96,9 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
     plan = conditions.written(plan, state.conditions, now=now, generation=generation)
     if kinds and kinds != ["PatchStatus"] or "Emit" in kinds:
         log.info("%s/%s attempt %d: %s", namespace, name, state.attempt, ", ".join(kinds))
+        for said in plan.actions:  # the Events' reasons: why it acts, in its own log too
+            if isinstance(said, Emit):
+                log.info("%s/%s: %s: %s", namespace, name, said.reason, said.message)
     elif plan.note:
         log.debug("%s/%s: %s", namespace, name, plan.note)
     # render and apply

@@ -14,18 +14,21 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from ctj_contract import GROUP, KIND, LABEL_SPARE, VERSION
+from ctj_contract import GROUP, KIND, LABEL_JOB, LABEL_SPARE, VERSION
 
-from . import builders
+from . import builders, queue
 from .decisions import (
     Action,
     CreateAttempt,
     CreateSpares,
+    CreateWorkload,
     DeleteAttempt,
     DeleteJob,
     DeletePods,
+    DeleteWorkload,
     Emit,
     PatchStatus,
+    PatchWorkload,
     Plan,
     Recovered,
     RequestCheckpoint,
@@ -43,6 +46,7 @@ class Verb(enum.StrEnum):
     PATCH_STATUS = "patch-status"  # the job's .status, conditional on the version read
     DELETE = "delete"  # already gone (404) is success; the job itself: only if unchanged
     EVENT = "event"  # a Kubernetes Event about the job
+    STATUS = "status"  # another object's .status (a Workload's), conditional on its version
 
 
 class Kind(enum.StrEnum):
@@ -51,6 +55,7 @@ class Kind(enum.StrEnum):
     SECRET = "Secret"
     NETWORK_POLICY = "NetworkPolicy"
     PYTORCHJOB = "PyTorchJob"
+    WORKLOAD = "Workload"  # Kueue's
     JOB = KIND
 
 
@@ -130,6 +135,9 @@ def _(action: CreateAttempt, target: Target) -> tuple[Call, ...]:
     PyTorchJob, or the Service and the pods."""
     spec, body, ns = target.job_spec(), dict(target.body), target.namespace
     attempt, world_size, uri, avoid = action.attempt, action.world_size, target.uri, action.avoid
+    if action.node_labels or action.tolerations:  # where Kueue admitted the job
+        placed = builders.placed(spec.template, action.node_labels, action.tolerations)
+        spec = dataclasses.replace(spec, template=placed)
 
     def create(kind: Kind, obj: Mapping[str, Any]) -> Call:
         return Call(verb=Verb.CREATE, kind=kind, namespace=ns, body=obj)
@@ -224,6 +232,38 @@ def _(action: RequestCheckpoint | Restarted | Recovered, target: Target) -> tupl
     heartbeat channel (heartbeats.py) carries it to every rank from there; Restarted and
     Recovered are metrics only (metrics.OperatorMetrics.record)."""
     return ()
+
+
+@render.register
+def _(action: CreateWorkload, target: Target) -> tuple[Call, ...]:
+    """The pod set's template is a rank's pod as it will be made (its sidecar and every
+    request, which is what Kueue counts against the quota)."""
+    spec, body = target.job_spec(), dict(target.body)
+    pod = builders.build_pod(body, spec, uri=target.uri, attempt=0, world_size=action.count,
+                             node_rank=0)  # fmt: skip
+    workload = queue.build_workload(
+        body,
+        queue=spec.queue or "",
+        count=action.count,
+        min_count=action.min_count,
+        pod_spec=pod["spec"],
+        priority=action.priority,
+        labels={LABEL_JOB: target.name},
+    )
+    return (Call(verb=Verb.CREATE, kind=Kind.WORKLOAD, namespace=target.namespace, body=workload),)
+
+
+@render.register
+def _(action: PatchWorkload, target: Target) -> tuple[Call, ...]:
+    body = {"metadata": {"resourceVersion": action.resource_version}, "status": action.status}
+    return (Call(verb=Verb.STATUS, kind=Kind.WORKLOAD, namespace=target.namespace,
+                 name=action.name, body=body),)  # fmt: skip
+
+
+@render.register
+def _(action: DeleteWorkload, target: Target) -> tuple[Call, ...]:
+    return (Call(verb=Verb.DELETE, kind=Kind.WORKLOAD, namespace=target.namespace,
+                 name=action.name),)  # fmt: skip
 
 
 @render.register

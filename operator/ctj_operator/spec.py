@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from ctj_contract import NODE_AGENT_PORT
 
 from .quantities import parse_quantity
+from .queue import PRIORITY_LABEL, QUEUE_LABEL
 
 
 class SpecError(ValueError):
@@ -136,6 +138,10 @@ class JobSpec:
     suspend: bool = False
     """spec.suspend: the running attempt checkpoints at its next step boundary and stops,
     and no attempt starts until it is false again (then resumed from that step)."""
+    queue: str | None = None
+    """The Kueue LocalQueue that admits the job (its kueue.x-k8s.io/queue-name label)."""
+    priority_class: str | None = None
+    """Its Kueue WorkloadPriorityClass (its kueue.x-k8s.io/priority-class label)."""
 
     def __post_init__(self) -> None:
         if not self.min_replicas <= self.replicas <= self.max_replicas:
@@ -157,6 +163,11 @@ class JobSpec:
         if not containers:
             raise SpecError("spec.template.spec.containers is empty: add the trainer container")
         object.__setattr__(self, "backend", _backend(self.backend))
+        if self.spares and self.queue:
+            raise SpecError(
+                f"spec.spares={self.spares} with the kueue.x-k8s.io/queue-name label: Kueue "
+                "admits the ranks only, and a spare would run outside its quota; set spec.spares: 0"
+            )
         if self.spares and not self.relaunches:
             raise SpecError(
                 f"spec.spares={self.spares} needs in-place restart: backend pods, the trainer "
@@ -178,8 +189,11 @@ class JobSpec:
         *,
         sidecar_image: str | None = None,
         node_cache: NodeCache | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> JobSpec:
-        """``sidecar_image``, ``node_cache``: the operator's defaults."""
+        """``sidecar_image``, ``node_cache``: the operator's defaults; ``labels``: the
+        job's (a Kueue queue and priority class)."""
+        labels = labels or {}
         ck = spec.get("checkpoint") or {}
         if not ck.get("uri"):
             raise SpecError("spec.checkpoint.uri is missing: set s3://bucket/prefix")
@@ -225,6 +239,8 @@ class JobSpec:
             active_deadline_seconds=_optional_int(spec.get("activeDeadlineSeconds")),
             ttl_seconds_after_finished=_optional_int(spec.get("ttlSecondsAfterFinished")),
             suspend=bool(spec.get("suspend", False)),
+            queue=labels.get(QUEUE_LABEL) or None,
+            priority_class=labels.get(PRIORITY_LABEL) or None,
         )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from ctj_devcluster import Binaries, BinariesMissing, Cluster, ClusterConfig
 from ctj_devcluster.kubeflow import KubeflowBuild
+from ctj_devcluster.kueue import KueueBuild
 from ctj_stack.jobs import (
     NODE_AGENT,
     NewJob,
@@ -30,6 +31,14 @@ def kubeflow_build() -> KubeflowBuild:
     """The training-operator hack/cluster-binaries.sh built (skip, saying so, if not)."""
     try:
         return KubeflowBuild.find()
+    except BinariesMissing as exc:
+        pytest.skip(str(exc))
+
+
+def kueue_build() -> KueueBuild:
+    """Kueue as hack/cluster-binaries.sh built it (skip, saying so, if not)."""
+    try:
+        return KueueBuild.find()
     except BinariesMissing as exc:
         pytest.skip(str(exc))
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from ctj_devcluster import Cluster
 from ctj_devcluster.kubeflow import install_crd as install_pytorchjob_crd
+from ctj_devcluster.kueue import install_crds as install_kueue_crds
 from ctj_stack.jobs import (
     FAST_TRAINING,
     NODE_AGENT,
@@ -22,7 +23,7 @@ from ctj_stack.jobs import (
     wait_for,
 )
 
-from tests.cluster.operator_env import kubeflow_build
+from tests.cluster.operator_env import kubeflow_build, kueue_build
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.cluster
@@ -51,6 +52,12 @@ ALLOWED = [
     ("watch", "pytorchjobs.kubeflow.org", ""),
     ("create", "pytorchjobs.kubeflow.org", ""),
     ("delete", "pytorchjobs.kubeflow.org", ""),
+    ("create", "workloads.kueue.x-k8s.io", ""),
+    ("watch", "workloads.kueue.x-k8s.io", ""),
+    ("delete", "workloads.kueue.x-k8s.io", ""),
+    ("patch", "workloads.kueue.x-k8s.io", "status"),
+    ("watch", "resourceflavors.kueue.x-k8s.io", ""),
+    ("watch", "workloadpriorityclasses.kueue.x-k8s.io", ""),
 ]
 DENIED = [
     ("update", "pods", ""),
@@ -78,6 +85,12 @@ DENIED = [
     ("patch", "leases.coordination.k8s.io", ""),
     ("deletecollection", "leases.coordination.k8s.io", ""),
     ("watch", "leases.coordination.k8s.io", ""),
+    # Kueue's: it admits, the operator never edits a queue, a flavor or a Workload's spec
+    ("patch", "workloads.kueue.x-k8s.io", ""),
+    ("update", "workloads.kueue.x-k8s.io", "status"),
+    ("create", "clusterqueues.kueue.x-k8s.io", ""),
+    ("patch", "localqueues.kueue.x-k8s.io", ""),
+    ("create", "resourceflavors.kueue.x-k8s.io", ""),
 ]
 # Leases: its leader Lease in its own namespace, the kubelets' read-only
 LEASES = [
@@ -94,6 +107,7 @@ LEASES = [
 def rbac(op_cluster: Cluster) -> Iterator[None]:
     # kubectl auth can-i resolves resources by discovery: the PyTorchJob API must exist
     install_pytorchjob_crd(op_cluster, kubeflow_build())
+    install_kueue_crds(op_cluster, kueue_build())
     op_cluster.kubectl("create", "namespace", "ctj-system")
     op_cluster.kubectl("apply", "-f", str(RBAC))
     yield

@@ -97,7 +97,17 @@ def test_nothing_that_reaches_past_the_operator_s_own_objects(
         ("training.ctj.dev", "checkpointedtrainingjobs"),
         ("training.ctj.dev", "checkpointedtrainingjobs/status"),
         ("coordination.k8s.io", "leases"),  # the leader Lease, above
+        ("kueue.x-k8s.io", "workloads/status"),  # what Kueue's own integrations write
     }
+    # Kueue: its jobs' Workloads; the queues and flavors only read
+    kueue = {(res, verb) for _, g, res, verb, _ in rules if g == "kueue.x-k8s.io"}
+    assert {res for res, _ in kueue} == {
+        "workloads",
+        "workloads/status",
+        "resourceflavors",
+        "workloadpriorityclasses",
+    }
+    assert {verb for res, verb in kueue if res != "workloads"} <= {"list", "watch", "patch"}
     assert {r[3] for r in rules if r[2] == "nodes"} == {"list", "watch"}
     assert not {r for r in rules if "*" in r}
 
@@ -106,7 +116,12 @@ def test_namespaced_mode_writes_only_in_the_watched_namespaces(helm: Helm) -> No
     objects = rbac(helm, "operator.watchNamespaces={team-a,team-b}")
     rules = grants(objects)
     cluster_wide = {r[1:4] for r in rules if r[0] is None}
-    assert cluster_wide == {("", "nodes", "list"), ("", "nodes", "watch")}
+    assert cluster_wide == {
+        (group, res, verb)
+        for group, res in (("", "nodes"), ("kueue.x-k8s.io", "resourceflavors"),
+                           ("kueue.x-k8s.io", "workloadpriorityclasses"))
+        for verb in ("list", "watch")
+    }  # fmt: skip
     writes = {"create", "delete", "patch", "update"}
     where = {ns for ns, _, res, verb, _ in rules if verb in writes and res != "leases"}
     assert where == {"team-a", "team-b"}
