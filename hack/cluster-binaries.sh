@@ -109,13 +109,16 @@ extras_dl_kind() {
 
 kubeflow_pkg=github.com/kubeflow/training-operator
 kueue_pkg=sigs.k8s.io/kueue
-# extras_kueue DIR: Kueue's CRDs and its manager's ClusterRole, from the module built
+# extras_kueue DIR: Kueue's CRDs and its manager's ClusterRole, and its whole install
+# (config/default, rendered by the control plane's kubectl: what a release's manifests.yaml
+# is), from the module built
 extras_kueue() {
   local src
-  src="$(cd "$hack/gomod/kueue" && go list -m -f '{{.Dir}}' "$kueue_pkg")/config/components"
+  src="$(cd "$hack/gomod/kueue" && go list -m -f '{{.Dir}}' "$kueue_pkg")/config"
   mkdir -p "$1/crds" "$1/rbac"
-  cp "$src"/crd/bases/*.yaml "$1/crds/"
-  cp "$src/rbac/role.yaml" "$1/rbac/"
+  cp "$src"/components/crd/bases/*.yaml "$1/crds/"
+  cp "$src/components/rbac/role.yaml" "$1/rbac/"
+  "$k8s_dir/bin/kubectl" kustomize "$src/default" > "$1/manifests.yaml"
 }
 # extras_kube-network-policies DIR: its main package is .../cmd, which `go build -o DIR/`
 # names `cmd`
@@ -150,7 +153,8 @@ kubeflow_ldflags="-s -w"
 kubeflow_dir="$(recipe_dir kubeflow "$KUBEFLOW_TRAINING_OPERATOR_VERSION" "$hack/gomod/kubeflow" \
   "$kubeflow_ldflags")"
 kueue_ldflags="-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
-kueue_dir="$(recipe_dir kueue "$KUEUE_VERSION" "$hack/gomod/kueue" "$kueue_ldflags")"
+kueue_dir="$(recipe_dir kueue "$KUEUE_VERSION" "$hack/gomod/kueue" "$kueue_ldflags" \
+  "extras: crds rbac manifests.yaml")"
 seaweedfs_ldflags="-s -w"
 seaweedfs_dir="$(recipe_dir seaweedfs "$SEAWEEDFS_VERSION" "$hack/gomod/seaweedfs" "$seaweedfs_ldflags")"
 # a complete downloaded directory stands for the built one (hack/registry/download.sh)

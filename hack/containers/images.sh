@@ -101,7 +101,7 @@ binary_image() {
 }
 built_dir() { "$root/hack/cluster-binaries.sh" | sed -n "s/^$1=//p"; }
 
-wanted=("$@"); (( ${#wanted[@]} )) || wanted=(operator sidecar trainer seaweedfs kubeflow)
+wanted=("$@"); (( ${#wanted[@]} )) || wanted=(operator sidecar trainer seaweedfs kubeflow kueue)
 # ctj_inputs TARGET: what the Dockerfile's target is built from (its COPY sources), a line each
 ctj_inputs() {
   printf '%s\n' "$root/Dockerfile" "$root/.dockerignore" "$root/requirements/dev.txt" \
@@ -135,6 +135,11 @@ for what in "${wanted[@]}"; do
       fi
       log "$image: $(size "$image")"
       echo "CTJ_KUBEFLOW_IMAGE=$image" ;;
-    *) log "unknown image '$what' (operator, sidecar, trainer, seaweedfs, kubeflow)"; exit 2 ;;
+    kueue)
+      image="$(binary_image kueue "$root/deploy/kueue/Dockerfile" \
+        "$(built_dir CTJ_KUEUE_BIN_DIR)/kueue")"
+      log "$image: $(size "$image")"
+      echo "CTJ_KUEUE_IMAGE=$image" ;;
+    *) log "unknown image '$what' (operator, sidecar, trainer, seaweedfs, kubeflow, kueue)"; exit 2 ;;
   esac
 done

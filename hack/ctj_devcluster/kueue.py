@@ -51,13 +51,16 @@ class KueueBuild:
 
     binary: Path
     crds: Path
+    manifests: Path
+    """Kueue's whole install (config/default rendered: a release's manifests.yaml)."""
 
     @classmethod
     def find(cls) -> KueueBuild:
         """From ``CTJ_KUEUE_BIN_DIR`` or the build script's ``--check``."""
         bin_dir = os.environ.get("CTJ_KUEUE_BIN_DIR") or built_dirs().get("CTJ_KUEUE_BIN_DIR", "")
-        build = cls(binary=Path(bin_dir) / "kueue", crds=Path(bin_dir).parent / "crds")
-        missing = [str(p) for p in (build.binary, build.crds) if not p.exists()]
+        root = Path(bin_dir).parent
+        build = cls(Path(bin_dir) / "kueue", root / "crds", root / "manifests.yaml")
+        missing = [str(p) for p in (build.binary, build.crds, build.manifests) if not p.exists()]
         if not bin_dir or missing:
             raise BinariesMissing(
                 f"Kueue is not built ({', '.join(missing) or bin_dir}); run {BUILD_SCRIPT}"

@@ -37,6 +37,7 @@ S3_NAMESPACE = "seaweedfs"
 S3_SERVER = "seaweedfs"  # its StatefulSet; the pod is seaweedfs-0
 DEFAULT_CLASS_ANNOTATION = "storageclass.kubernetes.io/is-default-class"
 KUBEFLOW_NAMESPACE = "kubeflow"
+KUEUE_NAMESPACE = "kueue-system"  # where Kueue's manifests put it
 KUBEFLOW_WEBHOOK = "validator.training-operator.kubeflow.org"
 OPERATOR_NAMESPACE = "ctj-system"
 LEADER_LEASE = "ctj-operator"  # the operator's default --leader-election-name
@@ -64,6 +65,7 @@ class Images:
     trainer: str
     seaweedfs: str
     kubeflow: str = ""  # Kubeflow's controller (deploy/kubeflow); "": the cluster's own, if any
+    kueue: str = ""  # Kueue's manager (deploy/kueue); "": no Kueue is installed
     sidecar: str = ""  # the checkpoint sidecar (no torch); "": the trainer image serves
 
     @classmethod
@@ -75,6 +77,7 @@ class Images:
             trainer=_required(env, "CTJ_TRAINER_IMAGE", hint),
             seaweedfs=_required(env, "CTJ_SEAWEEDFS_IMAGE", hint),
             kubeflow=env.get("CTJ_KUBEFLOW_IMAGE", ""),
+            kueue=env.get("CTJ_KUEUE_IMAGE", ""),
             sidecar=env.get("CTJ_SIDECAR_IMAGE", ""),
         )
 
@@ -325,6 +328,55 @@ class Stack(Harness):
             return bool(got.strip())
 
         self.wait(ca_injected, "the PyTorchJob webhook's CA in place", 120)
+
+    def install_kueue(self, control_plane: bool = False) -> Path:
+        """Kueue as its own release manifests install it (config/default of the module it is
+        built from: CRDs, webhooks, its certificate rotation, the pod integration on), with
+        our image of its manager; waits until it serves. Returns the manifests, for
+        ``uninstall_kueue``."""
+        from ctj_devcluster.kueue import KueueBuild
+
+        manifests = KueueBuild.find().manifests
+        self.log(f"Kueue: {manifests} ({self.images.kueue})")
+        objects = [o for o in yaml.safe_load_all(manifests.read_text()) if o]
+        for obj in objects:
+            if obj["kind"] == "Deployment":
+                pod = obj["spec"]["template"]["spec"]
+                (container,) = pod["containers"]
+                container["image"] = self.images.kueue
+                container["imagePullPolicy"] = "IfNotPresent"
+                if control_plane:  # its webhooks must answer while workers are lost
+                    pod["tolerations"] = [CONTROL_PLANE_TOLERATION]
+                    pod["nodeSelector"] = {CONTROL_PLANE_LABEL: ""}
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+                     stdin=yaml.safe_dump_all(objects))  # fmt: skip
+        for crd in ("workloads", "clusterqueues", "localqueues", "resourceflavors"):
+            wait_crd_established(self.kubectl, f"{crd}.kueue.x-k8s.io")
+        self.kubectl("-n", KUEUE_NAMESPACE, "rollout", "status",
+                     "deployment/kueue-controller-manager", "--timeout=300s")  # fmt: skip
+        jsonpath = "{.webhooks[0].clientConfig.caBundle}"
+
+        def ca_injected() -> bool:
+            got = self.kubectl("get", "mutatingwebhookconfiguration",
+                               "kueue-mutating-webhook-configuration",
+                               f"-o=jsonpath={jsonpath}")  # fmt: skip
+            return bool(got.strip())
+
+        self.wait(ca_injected, "Kueue's webhooks' CA in place", 120)
+        return manifests
+
+    def uninstall_kueue(self, manifests: Path) -> None:
+        """Its webhooks first (no pod creation may wait on a manager being removed)."""
+        for kind in ("mutating", "validating"):
+            self.kubectl("delete", f"{kind}webhookconfiguration",
+                         f"kueue-{kind}-webhook-configuration", "--ignore-not-found")  # fmt: skip
+        self.kubectl("delete", "-f", str(manifests), "--ignore-not-found", "--wait=true",
+                     "--timeout=180s")  # fmt: skip
+
+    def restart_operator(self, namespace: str = OPERATOR_NAMESPACE) -> None:
+        """A rollout of the operator (it looks for the APIs it drives, Kueue's, at start)."""
+        self.kubectl("-n", namespace, "rollout", "restart", "deployment/ctj")
+        self.kubectl("-n", namespace, "rollout", "status", "deployment/ctj", "--timeout=180s")
 
     @staticmethod
     def _secret(namespace: str, name: str, data: dict[str, str]) -> dict[str, Any]:

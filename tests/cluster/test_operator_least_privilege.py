@@ -176,7 +176,8 @@ def test_the_operator_can_still_run_jobs(
 
 
 def test_the_chart_made_no_cluster_wide_write(cluster: Cluster, install: Install) -> None:
-    """Namespaced mode: the only ClusterRoleBinding to the operator binds Node reads."""
+    """Namespaced mode: the only ClusterRoleBinding to the operator binds reads of Nodes
+    and of Kueue's cluster-scoped ResourceFlavors and WorkloadPriorityClasses."""
     bindings = yaml.safe_load(cluster.kubectl("get", "clusterrolebindings", "-o", "yaml").stdout)[
         "items"
     ]
@@ -190,7 +191,12 @@ def test_the_chart_made_no_cluster_wide_write(cluster: Cluster, install: Install
         cluster.kubectl("get", "clusterrole", f"{install.release}-nodes", "-o", "yaml").stdout
     )
     assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]}
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]},
+        {
+            "apiGroups": ["kueue.x-k8s.io"],
+            "resources": ["resourceflavors", "workloadpriorityclasses"],
+            "verbs": ["list", "watch"],
+        },
     ]
 
 

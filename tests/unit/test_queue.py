@@ -191,3 +191,29 @@ def _job() -> dict[str, Any]:
         "kind": "CheckpointedTrainingJob",
         "metadata": {"name": "job", "namespace": "ns", "uid": "uid-1", "labels": LABELS},
     }
+
+
+def test_a_workload_as_kueue_writes_it_is_read_into_its_view() -> None:
+    body = {
+        "metadata": {"name": "job-ctj", "resourceVersion": "42"},
+        "spec": {"podSets": [{"name": "ranks", "count": 4, "minCount": 2}]},
+        "status": {
+            "admission": {
+                "clusterQueue": "cq",
+                "podSetAssignments": [
+                    {"name": "ranks", "count": 3, "flavors": {"cpu": "b", "memory": "a"}}
+                ],
+            },
+            "conditions": [
+                {"type": "QuotaReserved", "status": "True"},
+                {"type": "Admitted", "status": "True"},
+            ],
+        },
+    }
+    view = queue.workload_view(body)
+    assert (view.admitted, view.admitted_count, view.count) == (True, 3, 4)
+    assert view.flavors == ("a", "b") and view.resource_version == "42"
+    pending = queue.workload_view({**body, "status": {"conditions": []}})
+    assert not pending.admitted and pending.admitted_count is None
+    both = Queue("q", True, view, {"a": Flavor({"x": "1"}), "b": Flavor({"y": "2"}, (TOLERATION,))})
+    assert both.placement() == ({"x": "1", "y": "2"}, [TOLERATION])
