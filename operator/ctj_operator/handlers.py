@@ -6,6 +6,11 @@ heartbeat channel (heartbeats.py) where each rank runs. Every handler is a plain
 function of what kopf passes it; the operator's state is the ``Operator`` that
 ``__main__`` hands kopf as ``memo.operator`` (runtime.py).
 
+Every selector names its API group and version: kopf then reads the discovery of those
+groups alone at start-up, where a bare "pods" would make it read every group the cluster
+serves, and a broken aggregated API of another product (an APIService answering 503 or
+404, e.g. a metrics or visibility server down) would keep the operator from starting.
+
 The indexes are async (quick, pure) so they run on kopf's event loop: as sync handlers
 they would queue behind reconciles blocked on API calls in the thread pool, and a pod the
 operator has just created would stay unseen for tens of seconds under load.
@@ -35,7 +40,7 @@ def _operator(memo: kopf.Memo) -> Operator:
 # ---- indexes: what the watches deliver, kept by kopf in memory ----
 
 
-@kopf.index("pods", labels={LABEL_JOB: kopf.PRESENT})
+@kopf.index("v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
 async def ctj_pods(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, memo: kopf.Memo, **_: Any
 ) -> Any:
@@ -47,7 +52,7 @@ async def ctj_pods(
     return {(namespace, labels[LABEL_JOB]): summary}
 
 
-@kopf.index("pods")
+@kopf.index("v1", "pods")
 async def node_usage(
     namespace: str | None, labels: Mapping[str, str], spec: kopf.Spec, status: kopf.Status, **_: Any
 ) -> Any:
@@ -59,7 +64,7 @@ async def node_usage(
     return {node: (job, capacity.pod_requests(dict(spec)))}
 
 
-@kopf.index("nodes")
+@kopf.index("v1", "nodes")
 async def cluster_nodes(name: str, body: kopf.Body, **_: Any) -> Any:
     return {name: node_summary(body)}
 
@@ -106,7 +111,7 @@ def register_pytorchjobs() -> None:
 # watch streams: kopf serves every handler of a resource from one).
 
 
-@kopf.on.event("pods", labels={LABEL_JOB: kopf.PRESENT})
+@kopf.on.event("v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
 async def pod_gone(
     event: kopf.RawEvent, namespace: str | None, name: str, memo: kopf.Memo, **_: Any
 ) -> None:

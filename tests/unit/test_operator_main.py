@@ -14,3 +14,38 @@ def test_a_reconcile_interval_out_of_range_is_refused_naming_the_flag(
         main(["--reconcile-interval", value])
     assert exited.value.code == 2
     assert "--reconcile-interval" in capsys.readouterr().err
+
+
+def test_every_watch_names_its_api_group_so_start_up_reads_no_other_group() -> None:
+    """kopf reads the discovery of every group the cluster serves when any selector leaves
+    its group out ("pods"), and one broken aggregated API (Kueue's visibility server on
+    kind answered 404) kept the operator from starting; with each group named it reads
+    only those. Registered here on a fresh registry, as __main__ registers them."""
+    import kopf
+    from ctj_operator import handlers
+
+    registry = kopf.OperatorRegistry()
+    default = kopf.get_default_registry()
+    kopf.set_default_registry(registry)
+    try:
+        import importlib
+
+        importlib.reload(handlers)  # its decorators register into the fresh registry
+        handlers.register_reconcile()
+        handlers.register_pytorchjobs()
+        handlers.register_kueue()
+    finally:
+        kopf.set_default_registry(default)
+        importlib.reload(handlers)
+    found = [
+        h.selector
+        for kind in (
+            registry._indexing,
+            registry._watching,
+            registry._spawning,
+            registry._changing,
+        )  # fmt: skip
+        for h in kind.get_all_handlers()
+    ]
+    assert len(found) >= 8, found
+    assert all(s is not None and s.group is not None for s in found), found
