@@ -338,8 +338,18 @@ class Stack(Harness):
 
         manifests = KueueBuild.find().manifests
         self.log(f"Kueue: {manifests} ({self.images.kueue})")
-        objects = [o for o in yaml.safe_load_all(manifests.read_text()) if o]
+        # one change: its on-demand visibility API off. On this cluster (Kubernetes 1.34)
+        # the aggregated API it registers answers its discovery with 404, and an APIService
+        # that fails discovery slows or breaks every client that reads all of discovery
+        objects = [o for o in yaml.safe_load_all(manifests.read_text())
+                   if o and o["kind"] != "APIService"]  # fmt: skip
         for obj in objects:
+            if obj["kind"] == "ConfigMap" and obj["metadata"]["name"] == "kueue-manager-config":
+                key = "controller_manager_config.yaml"
+                config = yaml.safe_load(obj["data"][key])
+                config["featureGates"] = {**(config.get("featureGates") or {}),
+                                          "VisibilityOnDemand": False}  # fmt: skip
+                obj["data"][key] = yaml.safe_dump(config)
             if obj["kind"] == "Deployment":
                 pod = obj["spec"]["template"]["spec"]
                 (container,) = pod["containers"]
@@ -363,10 +373,32 @@ class Stack(Harness):
             return bool(got.strip())
 
         self.wait(ca_injected, "Kueue's webhooks' CA in place", 120)
+        # its webhooks (failurePolicy Fail) stand between every client and a Deployment,
+        # a Job or a pod in most namespaces: wait until one answers a dry run
+        labels = {"app": "kueue-probe"}
+        template = {"metadata": {"labels": labels},
+                    "spec": {"containers": [{"name": "c", "image": "x"}]}}  # fmt: skip
+        probe = {"apiVersion": "apps/v1", "kind": "Deployment",
+                 "metadata": {"name": "kueue-probe", "namespace": "default"},
+                 "spec": {"selector": {"matchLabels": labels}, "template": template}}  # fmt: skip
+
+        def webhooks_answer() -> bool:
+            try:
+                self.kubectl("create", "--dry-run=server", "-f", "-", stdin=json.dumps(probe))
+            except RuntimeError:
+                return False
+            return True
+
+        self.wait(webhooks_answer, "Kueue's webhooks answering", 120)
         return manifests
 
     def uninstall_kueue(self, manifests: Path) -> None:
-        """Its webhooks first (no pod creation may wait on a manager being removed)."""
+        """Kueue's objects while its manager still runs (it removes their finalizers: a
+        ClusterQueue outliving it would hold its CRD's deletion for ever), then its webhooks
+        (no pod creation may wait on a manager being removed), then the rest."""
+        for kinds in ("workloads,localqueues", "clusterqueues,resourceflavors,"
+                      "workloadpriorityclasses"):  # fmt: skip
+            self.kubectl("delete", kinds, "--all", "-A", "--wait=true", "--timeout=120s")
         for kind in ("mutating", "validating"):
             self.kubectl("delete", f"{kind}webhookconfiguration",
                          f"kueue-{kind}-webhook-configuration", "--ignore-not-found")  # fmt: skip
