@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from .binaries import BUILD_SCRIPT, BinariesMissing, built_dirs
 from .ports import retry_on_bind_conflict
-from .processes import ManagedProcess
+from .processes import ManagedProcess, ProcessDied
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -208,23 +208,11 @@ class KubeflowController:
     def _wait_ready(self, timeout: float) -> None:
         """/readyz answers 200 once the certificates are in place and the webhook server
         listens, after which the PyTorchJob controller is registered."""
-        deadline = time.monotonic() + timeout
-        url = f"http://127.0.0.1:{self.probe_port}/readyz"
-        while True:
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            assert self.process is not None
-            if not self.process.alive():
-                raise KubeflowError(f"training-operator exited\n{self.process.log_tail()}")
-            if time.monotonic() > deadline:
-                raise KubeflowError(
-                    f"training-operator not ready after {timeout:.0f}s\n{self.process.log_tail()}"
-                )
-            time.sleep(0.2)
+        assert self.process is not None
+        try:
+            self.process.wait_ready(f"http://127.0.0.1:{self.probe_port}/readyz", timeout)
+        except (ProcessDied, TimeoutError) as exc:
+            raise KubeflowError(str(exc)) from exc
 
     def log_tail(self, lines: int = 40) -> str:
         if self.process is None and not self.log_path.exists():

@@ -23,7 +23,6 @@ from __future__ import annotations
 import fcntl
 import os
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,7 +32,7 @@ import yaml
 from .binaries import BUILD_SCRIPT, BinariesMissing, built_dirs
 from .certs import CertificateAuthority
 from .ports import retry_on_bind_conflict
-from .processes import ManagedProcess
+from .processes import ManagedProcess, ProcessDied
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -162,21 +161,11 @@ class KueueController:
         return self
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        url = f"http://127.0.0.1:{self.probe_port}/readyz"
-        while True:
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            assert self.process is not None
-            if not self.process.alive():
-                raise KueueError(f"kueue exited\n{self.process.log_tail()}")
-            if time.monotonic() > deadline:
-                raise KueueError(f"kueue not ready after {timeout:.0f}s\n{self.process.log_tail()}")
-            time.sleep(0.2)
+        assert self.process is not None
+        try:
+            self.process.wait_ready(f"http://127.0.0.1:{self.probe_port}/readyz", timeout)
+        except (ProcessDied, TimeoutError) as exc:
+            raise KueueError(str(exc)) from exc
 
     def log_tail(self, lines: int = 40) -> str:
         if self.process is None and not self.log_path.exists():

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +115,22 @@ class ManagedProcess:
         except FileNotFoundError:
             return f"[{self.name}: no log]"
         return f"[{self.name} log: {self.log_path}]\n" + "\n".join(text[-lines:])
+
+    def wait_ready(self, url: str, timeout: float) -> None:
+        """Until ``url`` (its readiness endpoint) answers 200; raises ProcessDied with the
+        log's tail if it exits first, TimeoutError if the deadline passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s\n{self.log_tail()}")
+            time.sleep(0.2)
 
     def check_alive(self) -> None:
         """Raises with the log tail if the process has exited (a server should not)."""

@@ -145,6 +145,7 @@ class Queue:
 def build_workload(
     owner: Mapping[str, Any],
     *,
+    namespace: str,
     queue: str,
     count: int,
     min_count: int,
@@ -152,7 +153,8 @@ def build_workload(
     priority: tuple[str, int] | None,
     labels: Mapping[str, str],
 ) -> dict[str, Any]:
-    """The job's Workload: its owner the job (garbage-collected with it), one pod set."""
+    """The job's Workload: ``owner`` the job's owner reference (garbage-collected with it),
+    one pod set."""
     pod_set: dict[str, Any] = {
         "name": POD_SET,
         "count": count,
@@ -165,29 +167,16 @@ def build_workload(
         name, value = priority
         ref = {"group": GROUP, "kind": "WorkloadPriorityClass", "name": name}
         spec |= {"priorityClassRef": ref, "priority": value}
-    meta = owner["metadata"]
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "Workload",
         "metadata": {
-            "name": workload_name(meta["name"]),
-            "namespace": meta["namespace"],
-            "labels": {**labels, JOB_UID_LABEL: meta["uid"]},
-            "ownerReferences": [_owner(owner)],
+            "name": workload_name(owner["name"]),
+            "namespace": namespace,
+            "labels": {**labels, JOB_UID_LABEL: owner["uid"]},
+            "ownerReferences": [dict(owner)],
         },
         "spec": spec,
-    }
-
-
-def _owner(owner: Mapping[str, Any]) -> dict[str, Any]:
-    meta = owner["metadata"]
-    return {
-        "apiVersion": owner["apiVersion"],
-        "kind": owner["kind"],
-        "name": meta["name"],
-        "uid": meta["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
     }
 
 

@@ -242,7 +242,8 @@ def _(action: CreateWorkload, target: Target) -> tuple[Call, ...]:
     pod = builders.build_pod(body, spec, uri=target.uri, attempt=0, world_size=action.count,
                              node_rank=0)  # fmt: skip
     workload = queue.build_workload(
-        body,
+        builders.owner_reference(body),
+        namespace=target.namespace,
         queue=spec.queue or "",
         count=action.count,
         min_count=action.min_count,

@@ -12,7 +12,6 @@ The ClusterQueue holds 3 pods (Kueue's ``pods`` resource; cpu and memory ample):
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -87,17 +86,6 @@ def kueue(op_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
         print("---- kueue log (tail) ----\n" + controller.log_tail())
 
 
-@pytest.fixture
-def queued_operator(kueue: Any, op_cluster: Cluster, tmp_path: Path) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(op_cluster, tmp_path / "operator.log")
-    op.start()
-    try:
-        yield op
-    finally:
-        op.kill()
-        print("---- operator log (tail) ----\n" + op.log.read_text()[-6000:])
-
-
 def _workload(cluster: Cluster, ns: str, job: str) -> dict[str, Any]:
     found = custom(cluster).list_namespaced_custom_object(
         *KUEUE, ns, "workloads", label_selector=f"training.ctj.dev/job-name={job}"
@@ -116,7 +104,8 @@ def _true(obj: dict[str, Any], kind: str) -> bool:
 
 def test_a_preempted_job_checkpoints_first_and_resumes_at_the_size_kueue_admits(
     op_cluster: Cluster,
-    queued_operator: OperatorProcess,
+    kueue: Any,
+    operator: OperatorProcess,
     job_namespace: str,
     s3_uri: str,
     s3_env: dict[str, str],
