@@ -22,9 +22,9 @@ from typing import Any
 
 from ctj_contract import Condition, Phase, parse_time, rfc3339
 
-from . import queue as kueue
+from . import queue as kueue  # its names only: queue.py interprets Kueue's objects
 from .builders import spare_name
-from .queue import Queue
+from .queue import Queue, WorkloadView, Write
 from .spec import JobSpec
 
 MAX_BACKOFF_S = 300.0
@@ -305,12 +305,13 @@ class CreateWorkload:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PatchWorkload:
-    """A write of the Workload's status, conditional on the version observed (one changed
-    since is left to the next tick, which sees it)."""
+    """A write of the Workload's status (queue.status_patch makes it), conditional on the
+    version observed (one changed since is left to the next tick, which sees it)."""
 
-    name: str
-    resource_version: str
-    status: Mapping[str, Any]
+    workload: WorkloadView
+    write: Write
+    message: str = ""
+    now: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -670,11 +671,11 @@ def _finished(obs: Observation) -> Plan:
     done: list[Action] = []
     workload = obs.queue.workload if obs.queue is not None else None
     if workload is not None and not workload.finished:  # Kueue takes its quota back
-        ended = state.condition(Condition.SUCCEEDED if state.phase == "Succeeded" else
-                                Condition.FAILED)  # fmt: skip
+        succeeded = state.phase == "Succeeded"
+        ended = state.condition(Condition.SUCCEEDED if succeeded else Condition.FAILED)
         message = str(ended.get("message") or state.phase)
-        status = kueue.finished(workload, state.phase == "Succeeded", message, obs.now)
-        done.append(PatchWorkload(workload.name, workload.resource_version, status))
+        write = Write.SUCCEEDED if succeeded else Write.FAILED
+        done.append(PatchWorkload(workload, write, message, obs.now))
     running_pods = [DeletePods(running)] if running else []
     return Plan((*_older(obs), *running_pods, *done), requeue_after=requeue)
 
@@ -773,10 +774,8 @@ def _running(obs: Observation, current: Sequence[PodView], actions: list[Action]
     elif state.capacity_since is not None:
         update["capacitySince"] = None
     spares = _spare_upkeep(obs, current, all_running, suspect)
-    if queued is not None and all_running:  # Kueue evicts a Workload never ready
-        ready = kueue.pods_ready(queued, now)
-        if ready is not None:
-            spares.append(PatchWorkload(queued.name, queued.resource_version, ready))
+    if queued is not None and all_running and not queued.pods_ready:
+        spares.append(PatchWorkload(queued, Write.READY, now=now))  # else Kueue evicts it
     running_spares = sum(1 for p in obs.pods if p.spare and p.relaunchable)
     if running_spares != (obs.state.spares or 0):
         update["spares"] = running_spares
@@ -833,9 +832,8 @@ def _evicted_why(queue: Queue) -> str:
     workload = queue.workload
     if workload is None:
         return f"its Kueue Workload is gone (LocalQueue {queue.name})"
-    evicted = workload.condition("Evicted")
-    if evicted.get("status") == "True":
-        return f"Kueue evicted it ({evicted.get('reason')}): {evicted.get('message')}"
+    if workload.evicted:
+        return f"Kueue evicted it ({workload.evicted})"
     return f"Kueue no longer admits it (LocalQueue {queue.name})"
 
 
@@ -1118,7 +1116,8 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
         start["attemptGeneration"] = obs.generation
     if state.storage is None:
         start["storage"] = {"uri": obs.uri}
-    node_labels, tolerations = obs.queue.placement() if obs.queue else ({}, [])
+    node_labels = obs.queue.node_labels if obs.queue else {}
+    tolerations = obs.queue.tolerations if obs.queue else ()
     return Plan(
         (
             *[a for a in actions if not isinstance(a, PatchStatus)],
@@ -1155,13 +1154,11 @@ def _not_admitted(obs: Observation, queue: Queue, actions: list[Action]) -> Plan
         reason, message = "WaitingForAdmission", f"waiting for Kueue (LocalQueue {queue.name})"
         actions.append(PatchStatus({}))  # first: a stale view makes nothing
         actions.append(CreateWorkload(obs.spec.replicas, obs.spec.min_replicas, queue.priority))
-    elif workload.evicted and workload.holds("QuotaReserved"):
-        evicted = workload.condition("Evicted")
-        reason = str(evicted.get("reason") or EVICTED)
-        message = f"Kueue evicted the job: {evicted.get('message')}; its quota is given back"
+    elif workload.evicted and workload.quota_reserved:
+        reason, cause = workload.evicted.split(": ", 1)
+        message = f"Kueue evicted the job: {cause}; its quota is given back"
         actions.append(PatchStatus({}))
-        released = kueue.released(workload, obs.now)
-        actions.append(PatchWorkload(workload.name, workload.resource_version, released))
+        actions.append(PatchWorkload(workload, Write.RELEASE, cause, obs.now))
     elif not workload.admitted:
         reason, message = "WaitingForAdmission", f"waiting for Kueue (LocalQueue {queue.name})"
     else:

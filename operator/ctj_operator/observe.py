@@ -33,7 +33,7 @@ from .builders import (
     rank_footprint,
 )
 from .decisions import JobState, NodeView, Observation, PodView
-from .queue import Flavor, Queue, WorkloadView
+from .queue import Flavor, Queue, WorkloadView, queue_of
 from .spec import Backend, JobSpec
 
 
@@ -294,6 +294,7 @@ def observe(
     current = [p for p in pods if p.attempt == state.attempt and not p.spare]
     beats = {p.node_rank: marks.beats.silent_for((namespace, p.name)) for p in current}
     used = _used_by_others(indexes, key)  # what other jobs' pods hold on each node
+    queued = _queue(spec, key, indexes)
     footprint = rank_footprint(spec)
     fit = capacity.fitting_nodes_with(footprint, nodes, used)
     rejected = capacity.summarize_rejections(fit.rejected)
@@ -324,7 +325,7 @@ def observe(
         selector=job_selector(name),
         refused=refused,
         job=name,
-        queue=_queue(spec, key, indexes),
+        queue=queued,
     )
 
 
@@ -335,15 +336,9 @@ def _queue(spec: JobSpec, key: JobKey, indexes: Indexes) -> Queue | None:
     if indexes.workloads is None:
         return Queue(spec.queue, installed=False)
     workload = next(iter(indexes.workloads.get(key, ())), None)
-    priority, missing = None, ""
-    if spec.priority_class is not None:
-        value = next(iter(indexes.priorities.get(spec.priority_class, ())), None)
-        if value is None:
-            missing = spec.priority_class
-        else:
-            priority = (spec.priority_class, value)
     flavors = {name: flavor for name, found in indexes.flavors.items() for flavor in found}
-    return Queue(spec.queue, True, workload, flavors, priority, missing)
+    values = {name: value for name, found in indexes.priorities.items() for value in found}
+    return queue_of(spec.queue, workload, flavors, spec.priority_class, values)
 
 
 def _worker_exit(workers: Freshness, key: tuple[str, str]) -> tuple[WorkerExit, float] | None:

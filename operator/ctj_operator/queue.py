@@ -27,6 +27,7 @@ objects. docs/operator.md, "Queued by Kueue".
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -64,9 +65,19 @@ def flavor_of(body: Mapping[str, Any]) -> Flavor:
     return Flavor(dict(spec.get("nodeLabels") or {}), tuple(spec.get("tolerations") or ()))
 
 
+class Write(enum.StrEnum):
+    """A status write of the job's Workload (``status_patch`` makes it)."""
+
+    READY = "PodsReady"  # every rank runs
+    RELEASE = "release"  # an evicted Workload's quota given back, its pods gone
+    SUCCEEDED = "Succeeded"  # the job ended: Finished
+    FAILED = "Failed"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkloadView:
-    """The job's Workload as the watch last delivered it."""
+    """The job's Workload as the watch last delivered it: plain facts (decisions.py reads
+    them; only this module interprets Kueue's conditions)."""
 
     name: str
     resource_version: str
@@ -77,46 +88,49 @@ class WorkloadView:
     """The ResourceFlavors the admission assigned."""
     count: int = 0
     """The pod set's count, as created (spec.replicas then)."""
+    admitted: bool = False
+    quota_reserved: bool = False
+    pods_ready: bool = False
+    finished: bool = False
+    evicted: str = ""
+    """Why Kueue evicted it ("<reason>: <message>"), or "" while it has not."""
 
-    def condition(self, kind: str) -> Mapping[str, Any]:
-        return next((c for c in self.conditions if c.get("type") == kind), {})
 
-    def holds(self, kind: str) -> bool:
-        return self.condition(kind).get("status") == "True"
-
-    @property
-    def admitted(self) -> bool:
-        return self.holds("Admitted") and self.admitted_count is not None
-
-    @property
-    def evicted(self) -> bool:
-        return self.holds("Evicted")
-
-    @property
-    def finished(self) -> bool:
-        return self.holds("Finished")
+def _holds(conditions: Sequence[Mapping[str, Any]], kind: str) -> bool:
+    return any(c.get("type") == kind and c.get("status") == "True" for c in conditions)
 
 
 def workload_view(body: Mapping[str, Any]) -> WorkloadView:
     """From the Workload object (what the operator's index keeps)."""
     status = body.get("status") or {}
+    conditions = tuple(dict(c) for c in status.get("conditions") or ())
     assignments = (status.get("admission") or {}).get("podSetAssignments") or []
     mine = next((a for a in assignments if a.get("name") == POD_SET), None)
     sets = (body.get("spec") or {}).get("podSets") or []
     count = next((int(s.get("count", 1)) for s in sets if s.get("name") == POD_SET), 0)
+    evicted = next((c for c in conditions if c.get("type") == "Evicted"), {})
     return WorkloadView(
         name=str(body["metadata"]["name"]),
         resource_version=str(body["metadata"].get("resourceVersion") or ""),
-        conditions=tuple(dict(c) for c in status.get("conditions") or ()),
+        conditions=conditions,
         admitted_count=None if mine is None else int(mine.get("count", count)),
         flavors=tuple(sorted(set((mine or {}).get("flavors", {}).values()))),
         count=count,
+        admitted=_holds(conditions, "Admitted") and mine is not None,
+        quota_reserved=_holds(conditions, "QuotaReserved"),
+        pods_ready=_holds(conditions, "PodsReady"),
+        finished=_holds(conditions, "Finished"),
+        evicted=(
+            f"{evicted.get('reason') or 'Evicted'}: {evicted.get('message') or ''}"
+            if evicted.get("status") == "True"
+            else ""
+        ),
     )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Queue:
-    """What the reconcile knows of a queued job's admission."""
+    """What the reconcile knows of a queued job's admission (``queue_of`` makes it)."""
 
     name: str
     """The LocalQueue the job's label names."""
@@ -124,22 +138,37 @@ class Queue:
     """Kueue's Workload API is served (the operator watches it)."""
     workload: WorkloadView | None = None
     """The job's Workload; None: not made yet."""
-    flavors: Mapping[str, Flavor] = dataclasses.field(default_factory=dict)
-    """ResourceFlavor name -> what it adds to the pods (every flavor the watch knows)."""
     priority: tuple[str, int] | None = None
     """(WorkloadPriorityClass, its value) where the job's label names one that exists."""
     priority_missing: str = ""
     """The WorkloadPriorityClass the label names where none of that name exists."""
+    node_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """What the admitted flavors add to the pods' nodeSelector (merged, in order)."""
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    """And to their tolerations."""
 
-    def placement(self) -> tuple[dict[str, str], list[dict[str, Any]]]:
-        """The node labels and tolerations of the admitted flavors (merged, in order)."""
-        labels: dict[str, str] = {}
-        tolerations: list[dict[str, Any]] = []
-        for name in self.workload.flavors if self.workload else ():
-            flavor = self.flavors.get(name, Flavor())
-            labels.update(flavor.node_labels)
-            tolerations += [dict(t) for t in flavor.tolerations if dict(t) not in tolerations]
-        return labels, tolerations
+
+def queue_of(
+    name: str,
+    workload: WorkloadView | None,
+    flavors: Mapping[str, Flavor],
+    priority_class: str | None,
+    priorities: Mapping[str, int],
+) -> Queue:
+    """A queued job's ``Queue`` from what the watches hold: its Workload, the flavors it
+    was admitted on, its priority class's value."""
+    labels: dict[str, str] = {}
+    tolerations: list[Mapping[str, Any]] = []
+    for flavor_name in workload.flavors if workload else ():
+        flavor = flavors.get(flavor_name, Flavor())
+        labels.update(flavor.node_labels)
+        tolerations += [dict(t) for t in flavor.tolerations if dict(t) not in tolerations]
+    priority, missing = None, ""
+    if priority_class is not None:
+        value = priorities.get(priority_class)
+        priority = None if value is None else (priority_class, value)
+        missing = priority_class if value is None else ""
+    return Queue(name, True, workload, priority, missing, labels, tuple(tolerations))
 
 
 def build_workload(
@@ -193,27 +222,21 @@ def _with(
     return [*(dict(c) for c in conditions if c.get("type") != kind), new]
 
 
-def released(workload: WorkloadView, now: float) -> dict[str, Any]:
-    """The status write that gives an evicted Workload's quota back once its pods are
-    gone (jobframework's): no admission, QuotaReserved and Admitted False, and Requeued
-    (True where Kueue requeues at once: a preemption, lost nodes)."""
-    evicted = workload.condition("Evicted")
-    reason = str(evicted.get("reason") or "Evicted")
-    message = str(evicted.get("message") or "evicted")
-    out = _with(workload.conditions, "Requeued", reason in REQUEUED_ON, reason, message, now)
-    out = _with(out, "QuotaReserved", False, "Pending", message, now)
-    out = _with(out, "Admitted", False, "NoReservation", "The workload has no reservation", now)
-    return {"admission": None, "conditions": out}
-
-
-def pods_ready(workload: WorkloadView, now: float) -> dict[str, Any] | None:
-    """PodsReady True once every rank runs (None where it already is)."""
-    if workload.holds("PodsReady"):
-        return None
-    message = "All pods reached readiness and the workload is running"
-    return {"conditions": _with(workload.conditions, "PodsReady", True, "Started", message, now)}
-
-
-def finished(workload: WorkloadView, succeeded: bool, message: str, now: float) -> dict[str, Any]:
-    reason = "Succeeded" if succeeded else "Failed"
-    return {"conditions": _with(workload.conditions, "Finished", True, reason, message, now)}
+def status_patch(workload: WorkloadView, write: Write, message: str, now: float) -> dict[str, Any]:
+    """The Workload status write Kueue's own job integrations make (jobframework's):
+    PodsReady True once every rank runs; on release, no admission, QuotaReserved and
+    Admitted False, and Requeued (True where Kueue requeues at once: a preemption, lost
+    nodes); Finished with the job's outcome. ``message``: why (the job's condition's, or
+    the eviction's)."""
+    conditions: Sequence[Mapping[str, Any]] = workload.conditions
+    if write is Write.READY:
+        text = "All pods reached readiness and the workload is running"
+        return {"conditions": _with(conditions, "PodsReady", True, "Started", text, now)}
+    if write is Write.RELEASE:
+        reason = workload.evicted.split(":", 1)[0] or "Evicted"
+        out = _with(conditions, "Requeued", reason in REQUEUED_ON, reason, message, now)
+        out = _with(out, "QuotaReserved", False, "Pending", message, now)
+        out = _with(out, "Admitted", False, "NoReservation", "The workload has no reservation",
+                    now)  # fmt: skip
+        return {"admission": None, "conditions": out}
+    return {"conditions": _with(conditions, "Finished", True, write.value, message, now)}

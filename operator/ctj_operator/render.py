@@ -256,9 +256,11 @@ def _(action: CreateWorkload, target: Target) -> tuple[Call, ...]:
 
 @render.register
 def _(action: PatchWorkload, target: Target) -> tuple[Call, ...]:
-    body = {"metadata": {"resourceVersion": action.resource_version}, "status": action.status}
+    workload = action.workload
+    status = queue.status_patch(workload, action.write, action.message, action.now)
+    body = {"metadata": {"resourceVersion": workload.resource_version}, "status": status}
     return (Call(verb=Verb.STATUS, kind=Kind.WORKLOAD, namespace=target.namespace,
-                 name=action.name, body=body),)  # fmt: skip
+                 name=workload.name, body=body),)  # fmt: skip
 
 
 @render.register

@@ -18,12 +18,11 @@ from ctj_operator.decisions import (
     Observation,
     PatchStatus,
     PatchWorkload,
-    Plan,
     RequestCheckpoint,
     Restarted,
     Transition,
 )
-from ctj_operator.queue import Flavor, Queue, WorkloadView
+from ctj_operator.queue import Flavor, Queue, WorkloadView, Write
 from ctj_operator.render import Kind, Target, Verb, render
 from ctj_operator.spec import JobSpec, SpecError
 
@@ -44,22 +43,42 @@ def queued_spec(**kw: Any) -> JobSpec:
     return JobSpec.parse({**raw, **kw}, labels=LABELS)
 
 
-def admitted(count: int, **kw: Any) -> WorkloadView:
-    conditions = (
-        {"type": "QuotaReserved", "status": "True"},
-        {"type": "Admitted", "status": "True"},
+def workload(count: int | None, *conditions: tuple[str, str, str]) -> WorkloadView:
+    """The job's Workload as Kueue writes it, read as the operator's index reads it:
+    admitted at ``count`` on flavor ``gpus`` (None: not admitted), each of ``conditions``
+    (type, reason, message) True."""
+    status: dict[str, Any] = {
+        "conditions": [
+            {"type": t, "status": "True", "reason": r, "message": m} for t, r, m in conditions
+        ]
+    }
+    if count is not None:
+        assigned = {"name": "ranks", "count": count, "flavors": {"cpu": "gpus"}}
+        status["admission"] = {"clusterQueue": "cq", "podSetAssignments": [assigned]}
+    body = {"metadata": {"name": "job-ctj", "resourceVersion": "7"},
+            "spec": {"podSets": [{"name": "ranks", "count": 3}]}, "status": status}  # fmt: skip
+    return queue.workload_view(body)
+
+
+def admitted(count: int, *more: tuple[str, str, str]) -> WorkloadView:
+    return workload(count, ("QuotaReserved", "QuotaReserved", ""), ("Admitted", "Admitted", ""),
+                    *more)  # fmt: skip
+
+
+def with_queue(obs: Observation, found: WorkloadView | None) -> Observation:
+    flavors = {"gpus": Flavor({"pool": "a100"}, (TOLERATION,))}
+    return dataclasses.replace(
+        obs, queue=queue.queue_of("team", found, flavors, "high", {"high": 1000})
     )
-    return WorkloadView("job-ctj", "7", conditions, count, ("gpus",), 3, **kw)
 
 
-def with_queue(obs: Observation, workload: WorkloadView | None, **kw: Any) -> Observation:
-    found = Queue("team", True, workload, {"gpus": Flavor({"pool": "a100"}, (TOLERATION,))},
-                  ("high", 1000), **kw)  # fmt: skip
-    return dataclasses.replace(obs, queue=found)
-
-
-def kinds(plan: Plan) -> list[str]:
-    return plan.kinds()
+def written(action: PatchWorkload) -> dict[str, Any]:
+    """The status the Workload write sends (rendered as apply sends it)."""
+    (call,) = render(action, Target(body=_job(), spec=queued_spec()))
+    assert (call.verb, call.kind, call.name) == (Verb.STATUS, Kind.WORKLOAD, "job-ctj")
+    assert call.body["metadata"]["resourceVersion"] == "7", "conditional on the view"
+    status: dict[str, Any] = dict(call.body["status"])
+    return status
 
 
 def test_the_labels_name_the_queue_and_a_spare_outside_its_quota_is_refused() -> None:
@@ -76,7 +95,7 @@ def test_nothing_starts_before_admission_and_the_workload_is_made_once() -> None
     assert made == [CreateWorkload(3, 2, ("high", 1000))]
     assert not any(isinstance(a, CreateAttempt) for a in plan.actions)
     assert condition(plan.status(), "Queued")["reason"] == "WaitingForAdmission"
-    waiting = WorkloadView("job-ctj", "7", (), None, (), 3)
+    waiting = workload(None)
     later = decide(with_queue(observe(JobState(), [], nodes(3), 2.0, job=queued_spec()), waiting))
     assert not any(isinstance(a, CreateWorkload | CreateAttempt) for a in later.actions)
 
@@ -106,25 +125,16 @@ def test_pods_ready_is_said_once_every_rank_runs() -> None:
     running = dataclasses.replace(RUNNING3, healthy_since=-50.0)
     obs = with_queue(observe(running, pods(3), nodes(3), 1.0, job=queued_spec()), admitted(3))
     said = [a for a in decide(obs).actions if isinstance(a, PatchWorkload)]
-    assert len(said) == 1 and said[0].resource_version == "7"
-    ready = condition(dict(said[0].status), "PodsReady")
+    assert len(said) == 1 and said[0].write is Write.READY
+    ready = condition(written(said[0]), "PodsReady")
     assert (ready["status"], ready["reason"]) == ("True", "Started")
-    done = admitted(
-        3,
-    )
-    done = dataclasses.replace(done, conditions=(*done.conditions, ready))
+    done = admitted(3, ("PodsReady", "Started", ""))
     again = decide(with_queue(observe(running, pods(3), nodes(3), 2.0, job=queued_spec()), done))
     assert not any(isinstance(a, PatchWorkload) for a in again.actions)
 
 
 def test_an_eviction_checkpoints_first_and_the_quota_goes_back_once_no_pod_is_left() -> None:
-    evicted = dataclasses.replace(
-        admitted(3),
-        conditions=(
-            *admitted(3).conditions,
-            {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "by high"},
-        ),
-    )
+    evicted = admitted(3, ("Evicted", "Preempted", "by high"))
     obs = with_queue(observe(RUNNING3, pods(3), nodes(3), 5.0, job=queued_spec()), evicted)
     asked = decide(obs)
     assert any(isinstance(a, RequestCheckpoint) for a in asked.actions)
@@ -146,8 +156,9 @@ def test_an_eviction_checkpoints_first_and_the_quota_goes_back_once_no_pod_is_le
     assert not any(isinstance(a, PatchWorkload) for a in lingering.actions)
     gone = decide(with_queue(observe(torn, [], nodes(3), 11.0, job=queued_spec()), evicted))
     (release,) = [a for a in gone.actions if isinstance(a, PatchWorkload)]
-    assert release.status["admission"] is None
-    by_type = {c["type"]: c for c in release.status["conditions"]}
+    status = written(release)
+    assert status["admission"] is None
+    by_type = {c["type"]: c for c in status["conditions"]}
     assert by_type["QuotaReserved"]["status"] == "False"
     assert by_type["Admitted"]["status"] == "False"
     assert (by_type["Requeued"]["status"], by_type["Requeued"]["reason"]) == ("True", "Preempted")
@@ -162,7 +173,7 @@ def test_a_finished_job_finishes_its_workload_and_a_suspended_one_deletes_it() -
     done = JobState(phase="Succeeded", attempt=1, world_size=3, conditions=(ok,))
     plan = decide(with_queue(observe(done, [], nodes(3), 1.0, job=queued_spec()), admitted(3)))
     (finish,) = [a for a in plan.actions if isinstance(a, PatchWorkload)]
-    assert condition(dict(finish.status), "Finished")["reason"] == "Succeeded"
+    assert condition(written(finish), "Finished")["reason"] == "Succeeded"
     suspended = JobState(phase="Restarting", attempt=1, world_size=3, torn_down=True)
     obs = observe(suspended, [], nodes(3), 1.0, job=queued_spec(suspend=True))
     paused = decide(with_queue(obs, admitted(3)))
@@ -213,7 +224,10 @@ def test_a_workload_as_kueue_writes_it_is_read_into_its_view() -> None:
     view = queue.workload_view(body)
     assert (view.admitted, view.admitted_count, view.count) == (True, 3, 4)
     assert view.flavors == ("a", "b") and view.resource_version == "42"
+    assert (view.quota_reserved, view.evicted, view.pods_ready) == (True, "", False)
     pending = queue.workload_view({**body, "status": {"conditions": []}})
     assert not pending.admitted and pending.admitted_count is None
-    both = Queue("q", True, view, {"a": Flavor({"x": "1"}), "b": Flavor({"y": "2"}, (TOLERATION,))})
-    assert both.placement() == ({"x": "1", "y": "2"}, [TOLERATION])
+    flavors = {"a": Flavor({"x": "1"}), "b": Flavor({"y": "2"}, (TOLERATION,))}
+    both = queue.queue_of("q", view, flavors, "gone", {})
+    assert (dict(both.node_labels), list(both.tolerations)) == ({"x": "1", "y": "2"}, [TOLERATION])
+    assert both.priority is None and both.priority_missing == "gone"
