@@ -141,8 +141,12 @@ def test_a_preempted_job_checkpoints_first_and_resumes_at_the_size_kueue_admits(
     before = status(op_cluster, ns, "low")
     queued("high", "high", 1, 1)
     wait_for(lambda: running(op_cluster, ns, "high", 1, 1), "high admitted and running", 180)
-    said = {(e.reason, e.message) for e in job_events(op_cluster, ns, "low")}
-    assert any(r == "CheckpointRequested" and "Preempted" in m for r, m in said), said
+
+    def asked_to_checkpoint() -> bool:  # Events are posted behind the status write
+        said = {(e.reason, e.message) for e in job_events(op_cluster, ns, "low")}
+        return any(r == "CheckpointRequested" and "Preempted" in m for r, m in said)
+
+    wait_for(asked_to_checkpoint, "low's Event: a checkpoint asked for, naming the preemption", 30)
 
     # 3. low is admitted again at what is left (2 of its 3: partial admission), restores
     # exactly the step it stopped at, resharded 3 -> 2

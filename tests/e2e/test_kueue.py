@@ -96,9 +96,14 @@ def test_a_preempted_job_checkpoints_gives_its_quota_back_and_resumes_resharded(
 
     stack.apply_job(ns, _queued(stack, "high", "high", 1, 1))
     stack.wait_running(ns, "high", 1, after=0)
-    said = {(e.reason, e.message) for e in stack.events(ns, "low")}
-    assert any(r == "CheckpointRequested" and "Preempted" in m for r, m in said), said
-    assert any(r == "Evicted" and "checkpointed and stopped" in m for r, m in said), said
+
+    def said_so() -> bool:  # Events are posted behind the status writes
+        said = {(e.reason, e.message) for e in stack.events(ns, "low")}
+        return any(r == "CheckpointRequested" and "Preempted" in m for r, m in said) and any(
+            r == "Evicted" and "checkpointed and stopped" in m for r, m in said
+        )
+
+    stack.wait(said_so, "low's Events: asked to checkpoint, then checkpointed and stopped", 30)
 
     committed = int((stack.status(ns, "low").get("lastCheckpoint") or {}).get("step", 0))
     st = stack.wait_running(ns, "low", 2, after=attempt)
