@@ -440,7 +440,7 @@ def test_cluster_binaries_downloads_instead_of_building(site: Site, tmp_path: Pa
     built = _paths(check.stdout)
     kind_built = _paths(script("--kind-check").stdout)
     # what has no published binary: pretend it is built, so that nothing compiles
-    for key in ("CTJ_KUBEFLOW_BIN_DIR", "CTJ_SEAWEEDFS_BIN_DIR"):
+    for key in ("CTJ_KUBEFLOW_BIN_DIR", "CTJ_KUEUE_BIN_DIR", "CTJ_SEAWEEDFS_BIN_DIR"):
         Path(built[key]).mkdir(parents=True)
         (Path(built[key]).parent / ".complete").touch()
     for key in ("CTJ_KIND_BIN_DIR", "CTJ_COREDNS_BIN_DIR", "CTJ_KIND_TOOLS_BIN_DIR",
@@ -461,7 +461,7 @@ def test_cluster_binaries_downloads_instead_of_building(site: Site, tmp_path: Pa
         assert paths[key] == str(cache / f"{name}-{version}-dl" / "bin")
         assert_installed(Path(paths[key]).parent, name)
         assert os.access(Path(paths[key]) / binary, os.X_OK)
-    for key in ("CTJ_KUBEFLOW_BIN_DIR", "CTJ_SEAWEEDFS_BIN_DIR"):
+    for key in ("CTJ_KUBEFLOW_BIN_DIR", "CTJ_KUEUE_BIN_DIR", "CTJ_SEAWEEDFS_BIN_DIR"):
         assert paths[key] == built[key]
 
     # warm: nothing asked of any site, by the build mode or by --check
