@@ -1059,15 +1059,8 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
         message = f"{fits} nodes can run a rank; the job needs at least {spec.min_replicas}"
         if obs.rejected:
             message += f" ({obs.rejected})"
-        queued = state.condition(Condition.QUEUED)
-        if (queued.get("status"), queued.get("reason"), queued.get("message")) != (
-            "True",
-            "InsufficientNodes",
-            message,
-        ):
-            why = SetCondition(Condition.QUEUED, True, "InsufficientNodes", message)
-            phase = state.phase if state.attempt else "Pending"
-            actions.append(PatchStatus({"phase": phase}, (why,)))
+        if not _says_queued(state, "InsufficientNodes", message):
+            actions.append(_queued_write(state, "InsufficientNodes", message))
             actions.append(Emit("Warning", "InsufficientNodes", message))
         return Plan(tuple(actions), requeue_after=5.0, note="insufficient nodes")
     attempt = state.attempt + 1
@@ -1163,19 +1156,30 @@ def _not_admitted(obs: Observation, queue: Queue, actions: list[Action]) -> Plan
         reason, message = "WaitingForAdmission", f"waiting for Kueue (LocalQueue {queue.name})"
     else:
         return None
+    if not _says_queued(state, reason, message):
+        others = [a for a in actions if not isinstance(a, PatchStatus)]
+        actions = [_queued_write(state, reason, message, Plan(tuple(actions)).status()), *others]
+        actions.append(Emit("Normal", reason, message))
+    return Plan(tuple(actions), requeue_after=5.0, note=f"queued: {reason}")
+
+
+def _says_queued(state: JobState, reason: str, message: str) -> bool:
+    """The job's Queued condition says this already (nothing to write)."""
     queued = state.condition(Condition.QUEUED)
-    if (queued.get("status"), queued.get("reason"), queued.get("message")) != (
+    return (queued.get("status"), queued.get("reason"), queued.get("message")) == (
         "True",
         reason,
         message,
-    ):
-        why = SetCondition(Condition.QUEUED, True, reason, message)
-        phase = state.phase if state.attempt else "Pending"
-        first = [a for a in actions if not isinstance(a, PatchStatus)]
-        status = Plan(tuple(actions)).status()
-        actions = [PatchStatus({**status, "phase": phase}, (why,)), *first]
-        actions.append(Emit("Normal", reason, message))
-    return Plan(tuple(actions), requeue_after=5.0, note=f"queued: {reason}")
+    )
+
+
+def _queued_write(
+    state: JobState, reason: str, message: str, fields: Mapping[str, Any] | None = None
+) -> PatchStatus:
+    """Queued True for ``reason`` (phase Pending before a first attempt), with ``fields``."""
+    phase = state.phase if state.attempt else "Pending"
+    why = SetCondition(Condition.QUEUED, True, reason, message)
+    return PatchStatus({**(fields or {}), "phase": phase}, (why,))
 
 
 def _suspended(obs: Observation, actions: list[Action]) -> Plan:
