@@ -92,7 +92,8 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
     kinds = plan.kinds()
     # what the ranks are told once the plan's status writes are in (an attempt that ended
     # or started: the survivors' assignments)
-    after = job_state({**dict(body.get("status") or {}), **plan.status()})
+    writes = plan.status()  # at steady state none: the status read is parsed once a tick
+    after = job_state({**dict(body.get("status") or {}), **writes}) if writes else state
     plan = conditions.written(plan, state.conditions, now=now, generation=generation)
     if kinds and kinds != ["PatchStatus"] or "Emit" in kinds:
         log.info("%s/%s attempt %d: %s", namespace, name, state.attempt, ", ".join(kinds))
