@@ -28,7 +28,7 @@ from kubernetes import client, config
 
 from . import handlers, heartbeats
 from .apply import Api
-from .builders import DEFAULT_SIDECAR_IMAGE
+from .builders import CONTROLLED, DEFAULT_SIDECAR_IMAGE
 from .heartbeats import HeartbeatChannel
 from .kubelet_leases import KubeletLeaseWatch, WatchConfig
 from .leader import ElectionConfig, LeaderElection
@@ -153,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--reconcile-interval {args.reconcile_interval:g}: use 0.1 to 10 seconds")
     handlers.register_reconcile(args.reconcile_interval)
     api = _api_client(args.kubeconfig)
-    if _has_pytorchjobs(api):
-        handlers.register_pytorchjobs()
+    for backend, at in CONTROLLED.items():  # else a reconcile reads its object by a GET
+        if _serves(api, at.group, at.version, at.plural):
+            handlers.register_attempts(backend)
     if _serves(api, KUEUE_GROUP, KUEUE_VERSION, "workloads"):
         handlers.register_kueue()  # jobs with a queue label wait for Kueue's admission
     config = OperatorConfig(
@@ -290,12 +291,6 @@ def _job_key(parser: argparse.ArgumentParser, path: str | None) -> bytes:
 def watch_namespaces(value: str) -> list[str]:
     """CTJ_WATCH_NAMESPACES: "team-a, team-b" -> ["team-a", "team-b"]; "" -> [] (all)."""
     return [ns.strip() for ns in value.split(",") if ns.strip()]
-
-
-def _has_pytorchjobs(api: client.ApiClient) -> bool:
-    """Whether kubeflow.org/v1 serves pytorchjobs (then kopf watches them; else the
-    pytorchjob backend reads its PyTorchJob with one GET per reconcile)."""
-    return _serves(api, "kubeflow.org", "v1", "pytorchjobs")
 
 
 def _serves(api: client.ApiClient, group: str, version: str, plural: str) -> bool:

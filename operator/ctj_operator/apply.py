@@ -22,11 +22,13 @@ from ctj_contract import GROUP, PLURAL, VERSION
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from .builders import CONTROLLED, TRAINING_RUNTIMES
 from .decisions import Action, CreateAttempt, CreateSpares
 from .queue import GROUP as KUEUE_GROUP
 from .queue import VERSION as KUEUE_VERSION
 from .queue import WORKLOADS
-from .render import Call, Kind, Rendered, Verb
+from .render import ATTEMPT_KINDS, Call, Kind, Rendered, Verb
+from .spec import Backend
 
 log = logging.getLogger("ctj.operator")
 
@@ -132,22 +134,27 @@ class Api:
     def connect(cls, api_client: client.ApiClient) -> Api:
         core = client.CoreV1Api(api_client)
         custom = client.CustomObjectsApi(api_client)
+        rt = TRAINING_RUNTIMES
         jobs = _Custom(custom, GROUP, VERSION, PLURAL)
         kinds: dict[Kind, _Objects] = {
             Kind.POD: _Typed(core, "pod"),
             Kind.SERVICE: _Typed(core, "service"),
             Kind.SECRET: _Typed(core, "secret"),
             Kind.NETWORK_POLICY: _Typed(client.NetworkingV1Api(api_client), "network_policy"),
-            Kind.PYTORCHJOB: _Custom(custom, "kubeflow.org", "v1", "pytorchjobs"),
+            **{
+                ATTEMPT_KINDS[backend]: _Custom(custom, at.group, at.version, at.plural)
+                for backend, at in CONTROLLED.items()
+            },
+            Kind.TRAINING_RUNTIME: _Custom(custom, rt.group, rt.version, rt.plural),
             Kind.WORKLOAD: _Custom(custom, KUEUE_GROUP, KUEUE_VERSION, WORKLOADS),
             Kind.JOB: jobs,
         }
         return cls(kinds, jobs)
 
-    def read_pytorchjob(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """The PyTorchJob, or None where it does not exist (observe.ReadPyTorchJob)."""
+    def read_attempt(self, backend: Backend, namespace: str, name: str) -> dict[str, Any] | None:
+        """The PyTorchJob or TrainJob, or None where it does not exist (observe.ReadAttempt)."""
         try:
-            return dict(self.kinds[Kind.PYTORCHJOB].read(namespace, name))
+            return dict(self.kinds[ATTEMPT_KINDS[backend]].read(namespace, name))
         except ApiException as exc:
             if exc.status != 404:
                 raise

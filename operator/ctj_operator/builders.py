@@ -1,4 +1,4 @@
-"""Pure builders of the objects the operator creates: Service, pods, PyTorchJob.
+"""Pure builders of the objects the operator creates: Service, pods, PyTorchJob, TrainJob.
 
 Each returns a plain dict ready for the Kubernetes API. The pods get the
 environment a Kubeflow PyTorchJob gives (MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
@@ -10,6 +10,7 @@ staging volume they share. Credentials only ever travel as secretKeyRefs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -67,6 +68,31 @@ SIDECAR_TMP_SIZE = "64Mi"  # for libraries that want a temp dir; staging has its
 KF_REPLICA_TYPE = "training.kubeflow.org/replica-type"
 KF_REPLICA_INDEX = "training.kubeflow.org/replica-index"
 KF_PORT_NAME = "pytorchjob-port"  # the container port it reads MASTER_PORT from
+# Kubeflow Trainer v2 (backend trainjob): its API, the replicated job and container it
+# requires of a runtime (the "trainer" ancestor, a container named "node"), and what the
+# Job controller puts on each pod of an Indexed Job: its index, which is the node rank
+TRAINER_GROUP, TRAINER_VERSION = "trainer.kubeflow.org", "v1alpha1"
+TRAINJOB_ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
+TRAINJOB_REPLICATED_JOB = "node"
+TRAINJOB_CONTAINER = "node"
+JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ControllerApi:
+    """Where a backend's attempt object is served: the controller that runs it is not ours."""
+
+    group: str
+    version: str
+    plural: str
+
+
+CONTROLLED = {
+    Backend.PYTORCHJOB: ControllerApi("kubeflow.org", "v1", "pytorchjobs"),
+    Backend.TRAINJOB: ControllerApi(TRAINER_GROUP, TRAINER_VERSION, "trainjobs"),
+}
+"""The backends whose attempt is one object another controller runs (``attempt_name``)."""
+TRAINING_RUNTIMES = ControllerApi(TRAINER_GROUP, TRAINER_VERSION, "trainingruntimes")
 
 
 def master_port(attempt: int) -> int:
@@ -78,16 +104,27 @@ def pod_name(job: str, attempt: int, node_rank: int) -> str:
     return f"{job}-a{attempt}-{node_rank}"
 
 
-def pytorchjob_name(job: str, attempt: int) -> str:
+def attempt_name(job: str, attempt: int) -> str:
+    """The PyTorchJob or the TrainJob (and its TrainingRuntime) that runs ``attempt``."""
     return f"{job}-a{attempt}"
+
+
+def trainjob_hostname(job: str, attempt: int, node_rank: int) -> str:
+    """The hostname JobSet gives node rank ``node_rank`` of the attempt's TrainJob (its
+    replicated job ``node``, one Job, pod index = rank), under the subdomain (and headless
+    Service) ``attempt_name``. The pod's own name ends in a random suffix."""
+    return f"{attempt_name(job, attempt)}-{TRAINJOB_REPLICATED_JOB}-0-{node_rank}"
 
 
 def rank_pod_name(spec: JobSpec, job: str, attempt: int, node_rank: int) -> str:
     """The pod holding ``node_rank``, named by us (backend pods) or, as the Kubeflow
-    controller names them, ``<pytorchjob>-master-0`` and ``<pytorchjob>-worker-<i>``."""
+    controller names them, ``<pytorchjob>-master-0`` and ``<pytorchjob>-worker-<i>``
+    (backend trainjob: the rank's hostname; the Job controller names the pod after it)."""
+    if spec.backend == Backend.TRAINJOB:
+        return trainjob_hostname(job, attempt, node_rank)
     if spec.backend != Backend.PYTORCHJOB:
         return pod_name(job, attempt, node_rank)
-    base = pytorchjob_name(job, attempt)
+    base = attempt_name(job, attempt)
     return f"{base}-master-0" if node_rank == 0 else f"{base}-worker-{node_rank - 1}"
 
 
@@ -562,7 +599,7 @@ def build_pytorchjob(
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": {
-            "name": pytorchjob_name(job, attempt),
+            "name": attempt_name(job, attempt),
             "labels": labels,
             "ownerReferences": [owner_reference(body)],
         },
@@ -574,11 +611,113 @@ def build_pytorchjob(
     }
 
 
-def pytorchjob_failure(pytorchjob: Mapping[str, Any]) -> str:
-    """Why the Kubeflow controller failed the PyTorchJob ("" while it has not)."""
-    for c in (pytorchjob.get("status") or {}).get("conditions") or []:
+def build_trainjob(
+    body: dict[str, Any],
+    spec: JobSpec,
+    *,
+    uri: str,
+    attempt: int,
+    world_size: int,
+    avoid: tuple[str, ...] = (),
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The same attempt as a Kubeflow Trainer v2 TrainJob, and the TrainingRuntime it runs:
+    (runtime, trainjob), both ``<job>-a<attempt>`` and owned by the job.
+
+    The runtime is the attempt's own, not a shared ClusterTrainingRuntime: a TrainJob can
+    only patch the env, mounts and security context of containers its runtime already
+    has, and each rank's pod is ours whole (the sidecar, the user's template, the node
+    cache's peers and the attempt's fresh port). Trainer makes it a JobSet of one Indexed
+    Job of ``world_size`` pods; each pod's completion index is its node rank, which the
+    environment reads through the downward API. No torch ML policy: it would fix
+    MASTER_PORT at 29400 for every attempt; the environment is the one our pods get.
+
+    As for a PyTorchJob, ending the attempt is the operator's: ``backoffLimitPerIndex: 0``
+    (and so podReplacementPolicy Failed) makes the Job controller replace no pod and keep
+    the other ranks running when one fails, so that its peers are judged like ours (a
+    crash, or a lost node?) until the operator deletes the TrainJob."""
+    job = body["metadata"]["name"]
+    name = attempt_name(job, attempt)
+    hosts = [trainjob_hostname(job, attempt, r) for r in range(world_size)]
+    place = Assignment(
+        attempt=attempt,
+        node_rank=0,
+        world_size=world_size,
+        nproc_per_node=spec.nproc_per_node,
+        master_addr=f"{hosts[0]}.{name}",
+        master_port=master_port(attempt),
+    )
+    index = {"fieldRef": {"fieldPath": f"metadata.annotations['{JOB_COMPLETION_INDEX}']"}}
+    # RANK counts processes: the node rank only with one per pod (torchrun sets each
+    # process's own where there are more)
+    by_index = [Env.NODE_RANK, "PET_NODE_RANK"] + (["RANK"] if spec.nproc_per_node == 1 else [])
+    per_rank = (Env.NODE_RANK, "PET_NODE_RANK", "RANK")
+    env: list[dict[str, Any]] = [
+        {"name": k, "value": v} for k, v in place.environment().items() if k not in per_rank
+    ]
+    env += [{"name": k, "valueFrom": index} for k in by_index]
+    pod_spec = _trainer_pod_spec(spec, uri, env)
+    pod_spec["containers"][0]["name"] = TRAINJOB_CONTAINER
+    _node_cache(pod_spec, spec, body, [f"{host}.{name}:{CACHE_PORT}" for host in hosts])
+    _merge_env(
+        pod_spec["initContainers"][-1],
+        _heartbeat_env(body, attempt, None) + [{"name": Env.NODE_RANK, "valueFrom": index}],
+    )
+    _place(pod_spec, job, avoid)
+    labels = {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt), LABEL_WORLD: str(world_size)}
+    template_meta = spec.template.get("metadata") or {}
+    meta = {"name": name, "labels": labels, "ownerReferences": [owner_reference(body)]}
+    indexed_job = {
+        "completionMode": "Indexed",
+        "backoffLimitPerIndex": 0,
+        "podReplacementPolicy": "Failed",
+        "template": {
+            "metadata": {
+                "labels": {**(template_meta.get("labels") or {}), **labels},
+                "annotations": dict(template_meta.get("annotations") or {}),
+            },
+            "spec": pod_spec,
+        },
+    }
+    runtime = {
+        "apiVersion": f"{TRAINER_GROUP}/{TRAINER_VERSION}",
+        "kind": "TrainingRuntime",
+        "metadata": meta,
+        "spec": {
+            "mlPolicy": {"numNodes": world_size},
+            "template": {
+                "spec": {
+                    "replicatedJobs": [
+                        {
+                            "name": TRAINJOB_REPLICATED_JOB,
+                            "replicas": 1,
+                            "template": {
+                                "metadata": {"labels": {TRAINJOB_ANCESTOR: "trainer"}},
+                                "spec": indexed_job,
+                            },
+                        }
+                    ]
+                }
+            },
+        },
+    }
+    trainjob = {
+        "apiVersion": f"{TRAINER_GROUP}/{TRAINER_VERSION}",
+        "kind": "TrainJob",
+        "metadata": copy.deepcopy(meta),
+        "spec": {
+            "runtimeRef": {"name": name, "apiGroup": TRAINER_GROUP, "kind": "TrainingRuntime"},
+            "trainer": {"numNodes": world_size},
+        },
+    }
+    return runtime, trainjob
+
+
+def controller_failure(obj: Mapping[str, Any]) -> str:
+    """Why the controller that runs the attempt (Kubeflow's, for a PyTorchJob or a
+    TrainJob) failed it: its Failed condition ("" while it has not)."""
+    for c in (obj.get("status") or {}).get("conditions") or []:
         if c.get("type") == "Failed" and c.get("status") == "True":
-            name = (pytorchjob.get("metadata") or {}).get("name", "")
+            name = (obj.get("metadata") or {}).get("name", "")
             why = c.get("message") or c.get("reason") or "no reason given"
-            return f"PyTorchJob {name} failed: {why}"
+            return f"{obj.get('kind', 'The attempt')} {name} failed: {why}"
     return ""

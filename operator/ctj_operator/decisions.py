@@ -25,7 +25,7 @@ from ctj_contract import Condition, Phase, parse_time, rfc3339
 from . import queue as kueue  # its names only: queue.py interprets Kueue's objects
 from .builders import spare_name
 from .queue import Queue, WorkloadView, Write
-from .spec import JobSpec
+from .spec import Backend, JobSpec
 
 MAX_BACKOFF_S = 300.0
 UNSEEN_GRACE_S = 30.0
@@ -168,8 +168,9 @@ class Observation:
     uri: str = ""  # the checkpoint location a first start pins
     now: float = 0.0
     controller_failure: str = ""
-    """Backend pytorchjob: why the Kubeflow controller failed the attempt's PyTorchJob
-    ("" while it has not). Read after the pods: they tell a crash from a lost node."""
+    """Backends pytorchjob and trainjob: why the Kubeflow controller failed the
+    attempt's PyTorchJob or TrainJob ("" while it has not). Read after the pods: they
+    tell a crash from a lost node."""
     generation: int = 0
     """The job's metadata.generation as read (0: unknown, nothing is stamped with it)."""
     selector: str = ""
@@ -221,9 +222,9 @@ class PatchStatus:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CreateAttempt:
-    """The Service and the pods (or the PyTorchJob): ``carried`` pods, kept from the
-    attempt before, are relabelled as node ranks 0..k-1 (their launchers restart the
-    workers in place), the others created."""
+    """The Service and the pods (or the PyTorchJob, or the TrainJob): ``carried`` pods,
+    kept from the attempt before, are relabelled as node ranks 0..k-1 (their launchers
+    restart the workers in place), the others created."""
 
     attempt: int
     world_size: int
@@ -252,7 +253,7 @@ class DeletePods:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DeleteAttempt:
-    """The ended attempt's PyTorchJob (its pods go with it) and heartbeat Leases."""
+    """The ended attempt's PyTorchJob or TrainJob (its pods go with it)."""
 
     attempt: int
 
@@ -441,7 +442,8 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
             why = f" ({why})" if why else ""
             return Ending("PodFailed", f"pod {p.name} failed{why}", Cause.CRASH)
     if obs.controller_failure:
-        return Ending("PyTorchJobFailed", obs.controller_failure, Cause.CRASH)
+        reason = "TrainJobFailed" if spec.backend == Backend.TRAINJOB else "PyTorchJobFailed"
+        return Ending(reason, obs.controller_failure, Cause.CRASH)
     timeout = spec.detection.heartbeat_timeout_seconds
     grace = max(STARTUP_GRACE_S, timeout)
     for p in ranked:

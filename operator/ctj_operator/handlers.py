@@ -25,11 +25,12 @@ import kopf
 from ctj_contract import GROUP, LABEL_ATTEMPT, LABEL_JOB, PLURAL, VERSION
 
 from . import capacity, queue
-from .builders import pytorchjob_failure
+from .builders import CONTROLLED, controller_failure
 from .decisions import TERMINAL
 from .observe import Indexes, node_summary, pod_summary
 from .reconcile import reconcile
 from .runtime import Operator
+from .spec import Backend
 
 
 def _operator(memo: kopf.Memo) -> Operator:
@@ -69,13 +70,26 @@ async def cluster_nodes(name: str, body: kopf.Body, **_: Any) -> Any:
     return {name: node_summary(body)}
 
 
+def _attempt_entry(namespace: str | None, labels: Mapping[str, str], body: kopf.Body) -> Any:
+    """An attempt's PyTorchJob or TrainJob: (attempt, why its controller failed it, or "")."""
+    attempt = int(labels.get(LABEL_ATTEMPT, "0"))
+    return {(namespace, labels[LABEL_JOB]): (attempt, controller_failure(dict(body)))}
+
+
 async def ctj_pytorchjobs(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> Any:
-    """Registered by ``register_pytorchjobs`` where the PyTorchJob CRD exists: (attempt,
-    why the Kubeflow controller failed it, or "")."""
-    attempt = int(labels.get(LABEL_ATTEMPT, "0"))
-    return {(namespace, labels[LABEL_JOB]): (attempt, pytorchjob_failure(dict(body)))}
+    return _attempt_entry(namespace, labels, body)
+
+
+async def ctj_trainjobs(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> Any:
+    return _attempt_entry(namespace, labels, body)
+
+
+_ATTEMPT_INDEXES = {Backend.PYTORCHJOB: ctj_pytorchjobs, Backend.TRAINJOB: ctj_trainjobs}
+"""The index of each backend of CONTROLLED (kopf passes it by the function's name)."""
 
 
 async def ctj_workloads(
@@ -101,9 +115,12 @@ def register_kueue() -> None:
     kopf.index(g, v, "workloadpriorityclasses")(kueue_priorities)
 
 
-def register_pytorchjobs() -> None:
-    kopf.index("kubeflow.org", "v1", "pytorchjobs", labels={LABEL_JOB: kopf.PRESENT})(
-        ctj_pytorchjobs
+def register_attempts(backend: Backend) -> None:
+    """Watches the backend's PyTorchJobs or TrainJobs (those of our jobs), where its CRD
+    is served at start-up."""
+    at = CONTROLLED[backend]
+    kopf.index(at.group, at.version, at.plural, labels={LABEL_JOB: kopf.PRESENT})(
+        _ATTEMPT_INDEXES[backend]
     )
 
 
@@ -141,7 +158,11 @@ def reconcile_job(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
         pods=kwargs["ctj_pods"],
         usage=kwargs["node_usage"],
         nodes=kwargs["cluster_nodes"],
-        pytorchjobs=kwargs.get("ctj_pytorchjobs"),
+        attempts={
+            backend: kwargs[index.__name__]
+            for backend, index in _ATTEMPT_INDEXES.items()
+            if kwargs.get(index.__name__) is not None
+        },
         workloads=kwargs.get("ctj_workloads"),
         flavors=kwargs.get("kueue_flavors") or {},
         priorities=kwargs.get("kueue_priorities") or {},

@@ -3,7 +3,9 @@
 A job's name reaches Kubernetes again in names made from it: the headless Service
 ``<job>``, each rank's pod and hostname ``<job>-a<attempt>-<rank>``, the PyTorchJob
 ``<job>-a<attempt>`` and the pods and Services Kubeflow's controller makes from that
-(``<pytorchjob>-master-0``, ``<pytorchjob>-worker-<i>``), label values. Each of those is
+(``<pytorchjob>-master-0``, ``<pytorchjob>-worker-<i>``), the TrainJob
+``<job>-a<attempt>`` and the JobSet, Job and hostnames made from it
+(``<trainjob>-node-0-<rank>``), label values. Each of those is
 limited to 63 characters, and the longest grow with the attempt (a counter that every
 restart and planned resize raises) and the rank. A name that fits today could fail at
 attempt 100 or rank 10, every attempt after that refused as PodRejected.
@@ -31,7 +33,7 @@ from typing import Any
 
 from ctj_contract import LABEL_JOB
 
-from .builders import pytorchjob_name, rank_pod_name
+from .builders import attempt_name, rank_pod_name
 from .spec import Backend, JobSpec
 
 MAX_ATTEMPT = 999_999_999
@@ -43,6 +45,8 @@ clusters have 65,000 nodes)."""
 
 KUBEFLOW_JOB_LABEL = "training.kubeflow.org/job-name"
 """The label Kubeflow's controller puts on a PyTorchJob's pods: the PyTorchJob's name."""
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+"""The label JobSet puts on its Jobs and pods: the JobSet's (the TrainJob's) name."""
 
 
 class Rule(enum.Enum):
@@ -94,12 +98,20 @@ def derived_names(job: str, backend: Backend, *, attempt: int, rank: int) -> tup
     names = [Derived(f"label {LABEL_JOB}", job, Rule.LABEL_VALUE)]
     pod = rank_pod_name(_probe(backend), job, attempt, rank)
     if backend is Backend.PYTORCHJOB:
-        pytorchjob = pytorchjob_name(job, attempt)
+        pytorchjob = attempt_name(job, attempt)
         return (
             *names,
             Derived("the PyTorchJob", pytorchjob, Rule.DNS1035_LABEL),
             Derived(f"label {KUBEFLOW_JOB_LABEL}", pytorchjob, Rule.LABEL_VALUE),
             Derived("Kubeflow's pod and Service of the rank", pod, Rule.DNS1035_LABEL),
+        )
+    if backend is Backend.TRAINJOB:
+        trainjob = attempt_name(job, attempt)
+        return (
+            *names,
+            Derived("the TrainJob, its JobSet and their Service", trainjob, Rule.DNS1035_LABEL),
+            Derived(f"label {JOBSET_NAME_LABEL}", trainjob, Rule.LABEL_VALUE),
+            Derived("the rank's pod hostname", pod, Rule.DNS1123_LABEL),
         )
     return (
         *names,
@@ -131,12 +143,14 @@ FORM_MESSAGE = (
 
 def length_message() -> str:
     pods, kubeflow = max_name_length(Backend.PODS), max_name_length(Backend.PYTORCHJOB)
+    trainjob = max_name_length(Backend.TRAINJOB)
     return (
         f"metadata.name must be at most {pods} characters ({kubeflow} with spec.backend"
-        f" pytorchjob), so that every name derived from it fits Kubernetes' 63-character"
-        f" limit at any attempt and rank: the pods and their hostnames"
-        f" <name>-a<attempt>-<rank> (under Kubeflow <name>-a<attempt>-worker-<i>), for up"
-        f" to {MAX_ATTEMPT} attempts and {MAX_REPLICAS} replicas. Choose a shorter name"
+        f" pytorchjob, {trainjob} with trainjob), so that every name derived from it fits"
+        f" Kubernetes' 63-character limit at any attempt and rank: the pods and their"
+        f" hostnames <name>-a<attempt>-<rank> (under Kubeflow <name>-a<attempt>-worker-<i>"
+        f" or <name>-a<attempt>-node-0-<rank>), for up to {MAX_ATTEMPT} attempts and"
+        f" {MAX_REPLICAS} replicas. Choose a shorter name"
     )
 
 

@@ -26,10 +26,12 @@ from ctj_contract.launch import WorkerExit
 
 from . import capacity
 from .builders import (
+    CONTROLLED,
+    JOB_COMPLETION_INDEX,
     KF_REPLICA_INDEX,
     KF_REPLICA_TYPE,
-    pytorchjob_failure,
-    pytorchjob_name,
+    attempt_name,
+    controller_failure,
     rank_footprint,
 )
 from .decisions import JobState, NodeView, Observation, PodView
@@ -39,9 +41,12 @@ from .spec import Backend, JobSpec
 
 def node_rank(labels: Mapping[str, str]) -> int:
     """Our pods carry their rank; the Kubeflow controller's carry its replica type and
-    index (the master is rank 0, worker i is rank i + 1, as it sets RANK)."""
+    index (the master is rank 0, worker i is rank i + 1, as it sets RANK); a TrainJob's,
+    their Indexed Job's completion index."""
     if LABEL_RANK in labels:
         return int(labels[LABEL_RANK])
+    if JOB_COMPLETION_INDEX in labels:
+        return int(labels[JOB_COMPLETION_INDEX])
     if labels.get(KF_REPLICA_TYPE) == "worker":
         return int(labels.get(KF_REPLICA_INDEX, "0")) + 1
     return 0
@@ -245,8 +250,11 @@ class Indexes:
     usage: Mapping[str, Iterable[tuple[JobKey | None, Mapping[str, int]]]]
     """node -> (the job of a pod bound there, or None; what the pod requests)."""
     nodes: Mapping[str, Iterable[dict[str, Any]]]  # node name -> node_summary
-    pytorchjobs: Mapping[JobKey, Iterable[tuple[int, str]]] | None = None
-    """(attempt, why the Kubeflow controller failed it) where the PyTorchJob CRD is watched."""
+    attempts: Mapping[Backend, Mapping[JobKey, Iterable[tuple[int, str]]]] = dataclasses.field(
+        default_factory=dict
+    )
+    """Per backend of builders.CONTROLLED whose CRD is watched: each job's (attempt, why
+    the controller failed it, or "")."""
     workloads: Mapping[JobKey, Iterable[WorkloadView]] | None = None
     """Each job's Kueue Workload, where Kueue's API is served (None: it is not)."""
     flavors: Mapping[str, Iterable[Flavor]] = dataclasses.field(default_factory=dict)
@@ -255,8 +263,9 @@ class Indexes:
     """Kueue WorkloadPriorityClass name -> its value."""
 
 
-ReadPyTorchJob = Callable[[str, str], Mapping[str, Any] | None]
-"""(namespace, name) -> the PyTorchJob, or None where it is gone (one GET)."""
+ReadAttempt = Callable[[Backend, str, str], Mapping[str, Any] | None]
+"""(backend, namespace, name) -> the attempt's PyTorchJob or TrainJob, or None where it
+is gone (one GET)."""
 
 
 def observe(
@@ -268,13 +277,13 @@ def observe(
     indexes: Indexes,
     marks: Marks,
     now: float,
-    read_pytorchjob: ReadPyTorchJob,
+    read_attempt: ReadAttempt,
     generation: int = 0,
     last_checkpoint: Mapping[str, Any] | None = None,
     refused: str = "",
 ) -> Observation:
-    """One job's view of the cluster, from memory (and one GET for a PyTorchJob only
-    where its CRD appeared after start-up). ``generation``: the job's, as read;
+    """One job's view of the cluster, from memory (and one GET for a PyTorchJob or a
+    TrainJob only where its CRD appeared after start-up). ``generation``: the job's, as read;
     ``last_checkpoint``: what its rank 0 last reported (heartbeats.py); ``refused``: why
     the API refused an object of the current attempt as it was created."""
     namespace, name = key
@@ -289,8 +298,8 @@ def observe(
     ]
     nodes_seen = [node_view(n, marks.kubelets.changed_at(n["metadata"]["name"])) for n in nodes]
     failure = ""
-    if spec.backend == Backend.PYTORCHJOB and state.attempt and state.pods_created:
-        failure = _pytorchjob_failure(key, state.attempt, indexes.pytorchjobs, read_pytorchjob)
+    if spec.backend in CONTROLLED and state.attempt and state.pods_created:
+        failure = _controller_failure(spec.backend, key, state.attempt, indexes, read_attempt)
     current = [p for p in pods if p.attempt == state.attempt and not p.spare]
     beats = {p.node_rank: marks.beats.silent_for((namespace, p.name)) for p in current}
     used = _used_by_others(indexes, key)  # what other jobs' pods hold on each node
@@ -365,16 +374,15 @@ def _used_by_others(indexes: Indexes, key: JobKey) -> dict[str, dict[str, int]]:
     return used
 
 
-def _pytorchjob_failure(
-    key: JobKey,
-    attempt: int,
-    index: Mapping[JobKey, Iterable[tuple[int, str]]] | None,
-    read: ReadPyTorchJob,
+def _controller_failure(
+    backend: Backend, key: JobKey, attempt: int, indexes: Indexes, read: ReadAttempt
 ) -> str:
-    """Why the Kubeflow controller failed this attempt's PyTorchJob, or "". Its pods are
-    judged like ours (they carry our labels); this is what only the controller knows."""
+    """Why the Kubeflow controller failed this attempt's PyTorchJob or TrainJob, or "".
+    Its pods are judged like ours (they carry our labels); this is what only the
+    controller knows."""
+    index = indexes.attempts.get(backend)
     if index is not None:
         return next((why for seen, why in index.get(key, ()) if seen == attempt), "")
     namespace, name = key
-    job = read(namespace, pytorchjob_name(name, attempt))  # the CRD appeared after start-up
-    return "" if job is None else pytorchjob_failure(job)  # gone: its pods are seen going
+    found = read(backend, namespace, attempt_name(name, attempt))  # CRD installed after start-up
+    return "" if found is None else controller_failure(found)  # gone: its pods are seen going

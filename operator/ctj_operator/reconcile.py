@@ -78,7 +78,7 @@ def reconcile(op: Operator, body: Mapping[str, Any], indexes: Indexes) -> None:
             indexes=indexes,
             marks=op.marks,
             now=now,
-            read_pytorchjob=op.api.read_pytorchjob,
+            read_attempt=op.api.read_attempt,
             generation=generation,
             last_checkpoint=last_checkpoint,
             refused=refused[1] if refused and refused[0] == state.attempt else "",

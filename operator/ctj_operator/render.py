@@ -55,8 +55,14 @@ class Kind(enum.StrEnum):
     SECRET = "Secret"
     NETWORK_POLICY = "NetworkPolicy"
     PYTORCHJOB = "PyTorchJob"
+    TRAINJOB = "TrainJob"  # Kubeflow Trainer v2's
+    TRAINING_RUNTIME = "TrainingRuntime"  # the TrainJob's own runtime
     WORKLOAD = "Workload"  # Kueue's
     JOB = KIND
+
+
+ATTEMPT_KINDS = {Backend.PYTORCHJOB: Kind.PYTORCHJOB, Backend.TRAINJOB: Kind.TRAINJOB}
+"""The object that runs an attempt of each backend of builders.CONTROLLED."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,6 +157,11 @@ def _(action: CreateAttempt, target: Target) -> tuple[Call, ...]:
             body, spec, uri=uri, attempt=attempt, world_size=world_size, avoid=avoid
         )
         return (*calls, create(Kind.PYTORCHJOB, job))
+    if spec.backend == Backend.TRAINJOB:  # the runtime first: the TrainJob's webhook reads it
+        runtime, trainjob = builders.build_trainjob(
+            body, spec, uri=uri, attempt=attempt, world_size=world_size, avoid=avoid
+        )
+        return (*calls, create(Kind.TRAINING_RUNTIME, runtime), create(Kind.TRAINJOB, trainjob))
     calls.append(create(Kind.SERVICE, builders.build_service(body)))
     carried = action.carried
     for rank, pod_name in enumerate(carried):  # before any create: the anti-affinity sees them
@@ -202,12 +213,17 @@ def _(action: DeletePods, target: Target) -> tuple[Call, ...]:
 
 @render.register
 def _(action: DeleteAttempt, target: Target) -> tuple[Call, ...]:
-    """The ended attempt's PyTorchJob (its pods go with it); our own pods are deleted by
-    ``DeletePods``."""
-    if target.spec is None or target.spec.backend != Backend.PYTORCHJOB:
+    """The ended attempt's PyTorchJob, or TrainJob and its runtime (their pods go with
+    them); our own pods are deleted by ``DeletePods``."""
+    if target.spec is None or target.spec.backend not in ATTEMPT_KINDS:
         return ()
-    name = builders.pytorchjob_name(target.name, action.attempt)
-    return (Call(verb=Verb.DELETE, kind=Kind.PYTORCHJOB, namespace=target.namespace, name=name),)
+    name = builders.attempt_name(target.name, action.attempt)
+    kinds = [ATTEMPT_KINDS[target.spec.backend]]
+    if target.spec.backend == Backend.TRAINJOB:
+        kinds.append(Kind.TRAINING_RUNTIME)
+    return tuple(
+        Call(verb=Verb.DELETE, kind=kind, namespace=target.namespace, name=name) for kind in kinds
+    )
 
 
 @render.register

@@ -29,7 +29,8 @@ class Backend(enum.StrEnum):
     """Who makes a job's pods."""
 
     PODS = "pods"  # the operator itself, with a headless Service
-    PYTORCHJOB = "pytorchjob"  # Kubeflow's v1 PyTorchJob controller (legacy)
+    PYTORCHJOB = "pytorchjob"  # Kubeflow's v1 PyTorchJob controller (legacy: use trainjob)
+    TRAINJOB = "trainjob"  # Kubeflow Trainer v2: a TrainJob, run by JobSet
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

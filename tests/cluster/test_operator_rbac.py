@@ -52,6 +52,12 @@ ALLOWED = [
     ("watch", "pytorchjobs.kubeflow.org", ""),
     ("create", "pytorchjobs.kubeflow.org", ""),
     ("delete", "pytorchjobs.kubeflow.org", ""),
+    ("get", "trainjobs.trainer.kubeflow.org", ""),
+    ("watch", "trainjobs.trainer.kubeflow.org", ""),
+    ("create", "trainjobs.trainer.kubeflow.org", ""),
+    ("delete", "trainjobs.trainer.kubeflow.org", ""),
+    ("create", "trainingruntimes.trainer.kubeflow.org", ""),
+    ("delete", "trainingruntimes.trainer.kubeflow.org", ""),
     ("create", "workloads.kueue.x-k8s.io", ""),
     ("watch", "workloads.kueue.x-k8s.io", ""),
     ("delete", "workloads.kueue.x-k8s.io", ""),
@@ -68,6 +74,7 @@ DENIED = [
     ("create", "nodes", ""),
     ("patch", "nodes", ""),
     ("delete", "services", ""),  # the garbage collector removes them
+    ("get", "trainingruntimes.trainer.kubeflow.org", ""),  # written whole, never read
     ("create", "checkpointedtrainingjobs.training.ctj.dev", ""),
     ("update", "checkpointedtrainingjobs.training.ctj.dev", "status"),
     ("create", "clusterrolebindings.rbac.authorization.k8s.io", ""),

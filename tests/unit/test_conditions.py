@@ -213,7 +213,7 @@ def test_the_scale_selector_and_the_start_time_are_written_once() -> None:
 
 
 def test_an_invalid_spec_fails_the_job_with_standard_conditions() -> None:
-    plan = invalid_spec(JobState(), "spec.backend='mpi': use pods or pytorchjob", 2)
+    plan = invalid_spec(JobState(), "spec.backend='mpi': use pods or pytorchjob or trainjob", 2)
     status = written(plan, (), now=T0, generation=2).status()
     assert status["phase"] == "Failed" and status["observedGeneration"] == 2
     assert by_type(status["conditions"])["Failed"]["reason"] == "InvalidSpec"

@@ -36,6 +36,7 @@ LAST_RANK = MAX_REPLICAS - 1
 NAME_RULES = {
     Kind.SERVICE: Rule.DNS1035_LABEL,
     Kind.PYTORCHJOB: Rule.DNS1035_LABEL,  # Kubeflow's webhook: NameIsDNS1035Label
+    Kind.TRAINJOB: Rule.DNS1035_LABEL,  # its JobSet and headless Service are named the same
 }
 """What a name must be, by kind; every other kind (pods, Secrets, policies): a subdomain."""
 
@@ -126,9 +127,10 @@ def test_the_rules_are_checked_at_create_only() -> None:
 
 
 def test_the_limit_and_why_are_in_the_message() -> None:
-    assert (max_name_length(Backend.PODS), max_name_length(Backend.PYTORCHJOB)) == (46, 39)
+    limits = [max_name_length(b) for b in (Backend.PODS, Backend.PYTORCHJOB, Backend.TRAINJOB)]
+    assert limits == [46, 39, 39]
     message = length_message()
-    assert "at most 46 characters (39 with spec.backend pytorchjob)" in message
+    assert "at most 46 characters (39 with spec.backend pytorchjob, 39 with trainjob)" in message
     assert "63-character" in message and "Choose a shorter name" in message
     assert "DNS-1035" in FORM_MESSAGE and "Rename the job" in FORM_MESSAGE
 
@@ -143,7 +145,7 @@ def test_every_object_of_the_last_attempt_fits_for_the_longest_name(backend: Bac
     target = Target(body=body(name), spec=spec(backend), uri="s3://b/jobs/x", cache_token="t")
     calls = render(CreateAttempt(MAX_ATTEMPT, 3), target)
     kinds = {c.kind for c in calls}
-    assert Kind.SECRET in kinds and (Kind.PYTORCHJOB in kinds or Kind.POD in kinds)
+    assert Kind.SECRET in kinds and kinds & {Kind.PYTORCHJOB, Kind.TRAINJOB, Kind.POD}
     found = [p for c in calls for p in problems(c.kind, c.body)]
     assert not found, found
 

@@ -191,11 +191,12 @@ def test_pytorchjob_rendezvous_port_placement_and_restart_rules() -> None:
         assert labels["team"] == "ml" and labels[LABEL_ATTEMPT] == "2"
 
 
-def test_a_failed_pytorchjob_says_why() -> None:
-    assert builders.pytorchjob_failure({"status": {"conditions": []}}) == ""
+def test_a_failed_pytorchjob_or_trainjob_says_why() -> None:
+    assert builders.controller_failure({"status": {"conditions": []}}) == ""
     running = [{"type": "Running", "status": "True"}]
-    assert builders.pytorchjob_failure({"status": {"conditions": running}}) == ""
+    assert builders.controller_failure({"status": {"conditions": running}}) == ""
     failed = {
+        "kind": "PyTorchJob",
         "metadata": {"name": "demo-a1"},
         "status": {
             "conditions": [
@@ -204,8 +205,10 @@ def test_a_failed_pytorchjob_says_why() -> None:
             ]
         },
     }
-    why = builders.pytorchjob_failure(failed)
+    why = builders.controller_failure(failed)
     assert why == "PyTorchJob demo-a1 failed: 1 Worker replica(s) failed."
+    failed["kind"] = "TrainJob"
+    assert builders.controller_failure(failed).startswith("TrainJob demo-a1 failed: 1 Worker")
 
 
 def test_the_sidecar_answers_heartbeats_with_the_job_token_its_attempt_and_rank() -> None:

@@ -23,6 +23,7 @@ def test_every_watch_names_its_api_group_so_start_up_reads_no_other_group() -> N
     only those. Registered here on a fresh registry, as __main__ registers them."""
     import kopf
     from ctj_operator import handlers
+    from ctj_operator.spec import Backend
 
     registry = kopf.OperatorRegistry()
     default = kopf.get_default_registry()
@@ -32,7 +33,8 @@ def test_every_watch_names_its_api_group_so_start_up_reads_no_other_group() -> N
 
         importlib.reload(handlers)  # its decorators register into the fresh registry
         handlers.register_reconcile()
-        handlers.register_pytorchjobs()
+        handlers.register_attempts(Backend.PYTORCHJOB)
+        handlers.register_attempts(Backend.TRAINJOB)
         handlers.register_kueue()
     finally:
         kopf.set_default_registry(default)
