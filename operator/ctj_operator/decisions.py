@@ -39,7 +39,12 @@ SUSPEND = "Suspended"
 EVICTED = "Evicted"
 """The reason of an attempt ended because Kueue evicted the job's Workload (a planned
 end; the next attempt waits for Kueue to admit the job again)."""
-PAUSES = (SUSPEND, EVICTED)
+REQUEUED = "Requeued"
+"""The reason of an attempt ended because spec.replicas no longer is what the job's Kueue
+Workload asks for (a `kubectl scale`): Kueue v0.19 resizes no admission in place for a
+kind it does not compile in, so the job stops with a checkpoint, its Workload is made
+again at the new size and the next attempt waits for that admission."""
+PAUSES = (SUSPEND, EVICTED, REQUEUED)
 """Planned ends that start no attempt by themselves: not restarts."""
 
 
@@ -756,6 +761,12 @@ def _running(obs: Observation, current: Sequence[PodView], actions: list[Action]
     queued = obs.queue.workload if obs.queue is not None else None
     if obs.queue is not None and (queued is None or queued.evicted or not queued.admitted):
         return _begin_transition(obs, EVICTED, _evicted_why(obs.queue), actions, update)
+    if queued is not None and queued.count != spec.replicas:
+        msg = (
+            f"spec.replicas is {spec.replicas}, Kueue admitted the job for {queued.count}:"
+            " asking Kueue again"
+        )
+        return _begin_transition(obs, REQUEUED, msg, actions, update)
     if spec.replicas < state.world_size:
         reason, msg = "Resize", f"spec.replicas {spec.replicas} < world size {state.world_size}"
         return _begin_transition(obs, reason, msg, actions, update)
@@ -943,7 +954,9 @@ def _end_attempt(
         Phase.RESTARTING, ending.reason, ending.message, restarted=not suspending
     )
     kind = "Normal" if ending.cause is Cause.PLANNED else "Warning"
-    said = {SUSPEND: "suspending", EVICTED: "stopping"}.get(ending.reason, "restarting")
+    said = {SUSPEND: "suspending", EVICTED: "stopping", REQUEUED: "stopping"}.get(
+        ending.reason, "restarting"
+    )
     return Plan(
         (
             *actions,
@@ -1129,8 +1142,9 @@ def _between_attempts(obs: Observation, current: Sequence[PodView], actions: lis
 
 def _not_admitted(obs: Observation, queue: Queue, actions: list[Action]) -> Plan | None:
     """A queued job between attempts, until Kueue admits it (None: admitted, start). Its
-    Workload is made once; an evicted one's quota is given back once no pod of the job is
-    left (the caller waited for that), and Kueue requeues it."""
+    Workload is made once, and again after spec.replicas changed (the old one deleted:
+    its quota back); an evicted one's quota is given back once no pod of the job is left
+    (the caller waited for that), and Kueue requeues it."""
     state, workload = obs.state, queue.workload
     if not queue.installed:
         reason = "KueueNotServed"
@@ -1154,6 +1168,14 @@ def _not_admitted(obs: Observation, queue: Queue, actions: list[Action]) -> Plan
         message = f"Kueue evicted the job: {cause}; its quota is given back"
         actions.append(PatchStatus({}))
         actions.append(PatchWorkload(workload, Write.RELEASE, cause, obs.now))
+    elif workload.count != obs.spec.replicas:  # resized: its admission goes with it
+        reason = "WaitingForAdmission"
+        message = (
+            f"waiting for Kueue (LocalQueue {queue.name}) to admit the job at its new size,"
+            f" spec.replicas {obs.spec.replicas}"
+        )
+        actions.append(PatchStatus({}))  # first: a stale view deletes nothing
+        actions.append(DeleteWorkload(workload.name))
     elif not workload.admitted:
         reason, message = "WaitingForAdmission", f"waiting for Kueue (LocalQueue {queue.name})"
     else:

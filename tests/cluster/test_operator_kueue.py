@@ -6,7 +6,8 @@ resharded at the size Kueue admits it again (partial admission).
 
 The ClusterQueue holds 3 pods (Kueue's ``pods`` resource; cpu and memory ample): job
 ``low`` (priority 100, 3 ranks, at least 2) takes them all; job ``high`` (priority 1000,
-1 rank) preempts it; ``low`` comes back at 2.
+1 rank) preempts it; ``low`` comes back at 2. Once ``high`` has ended, ``low`` is scaled
+to 4: a resize asks Kueue again (a new Workload), which admits 3.
 """
 
 from __future__ import annotations
@@ -164,3 +165,17 @@ def test_a_preempted_job_checkpoints_first_and_resumes_at_the_size_kueue_admits(
         {"spec": {"activeDeadlineSeconds": 1}})  # fmt: skip
     wait_for(lambda: _true(_workload(op_cluster, ns, "high"), "Finished"),
              "high's Workload Finished once high failed its deadline", 60)  # fmt: skip
+
+    # 5. `kubectl scale` asks Kueue again: low (at 2, its Workload asking for 3) is scaled
+    # to 4; it checkpoints and stops, its Workload is made again for 4, and Kueue, with
+    # high's quota back, admits 3 of them: low resumes at 3 exactly where it stopped
+    before = status(op_cluster, ns, "low")
+    custom(op_cluster).patch_namespaced_custom_object(
+        "training.ctj.dev", "v1alpha1", ns, "checkpointedtrainingjobs", "low",
+        {"spec": {"replicas": 4, "maxReplicas": 4}})  # fmt: skip
+    attempt = int(before["attempt"]) + 1
+    wait_for(lambda: running(op_cluster, ns, "low", attempt, 3), "low admitted again at 3", 180)
+    workload = _workload(op_cluster, ns, "low")
+    assert workload["spec"]["podSets"][0]["count"] == 4
+    assert workload["status"]["admission"]["podSetAssignments"][0]["count"] == 3
+    assert_planned_handover(op_cluster, ns, "low", 3, before=attempt - 1)

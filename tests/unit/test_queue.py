@@ -231,3 +231,36 @@ def test_a_workload_as_kueue_writes_it_is_read_into_its_view() -> None:
     both = queue.queue_of("q", view, flavors, "gone", {})
     assert (dict(both.node_labels), list(both.tolerations)) == ({"x": "1", "y": "2"}, [TOLERATION])
     assert both.priority is None and both.priority_missing == "gone"
+
+
+@pytest.mark.parametrize("replicas", [2, 4], ids=["shrink", "grow"])
+def test_a_resize_stops_with_a_checkpoint_and_asks_kueue_again(replicas: int) -> None:
+    """`kubectl scale` of a queued job: Kueue v0.19 resizes no admission in place for a
+    kind it does not compile in, so the attempt stops as a planned transition (every rank
+    checkpoints, nothing counted), the Workload of the old size goes (its quota back) once
+    no pod is left, and one of the new size waits for Kueue; nothing starts before."""
+    spec = queued_spec(replicas=replicas)
+    asked = decide(with_queue(observe(RUNNING3, pods(3), nodes(3), 5.0, job=spec), admitted(3)))
+    assert any(isinstance(a, RequestCheckpoint) for a in asked.actions)
+    t = asked.status()["transition"]
+    assert t["reason"] == "Requeued" and f"spec.replicas is {replicas}" in t["message"]
+
+    torn = JobState(phase="Restarting", attempt=1, world_size=3, torn_down=True)
+    gone = decide(with_queue(observe(torn, [], nodes(3), 11.0, job=spec), admitted(3)))
+    assert DeleteWorkload("job-ctj") in gone.actions
+    first = next(i for i, a in enumerate(gone.actions) if isinstance(a, PatchStatus))
+    assert first < gone.actions.index(DeleteWorkload("job-ctj")), "a stale view deletes nothing"
+    assert not any(isinstance(a, CreateAttempt) for a in gone.actions), "the old admission"
+    queued = condition(gone.status(), "Queued")
+    assert queued["reason"] == "WaitingForAdmission" and "new size" in queued["message"]
+    again = decide(with_queue(observe(torn, [], nodes(3), 12.0, job=spec), None))
+    assert CreateWorkload(replicas, 2, ("high", 1000)) in again.actions
+
+
+def test_a_node_lost_and_back_keeps_the_admission() -> None:
+    """Fewer nodes than admitted is no resize of the Workload: the job keeps its quota and
+    grows back within it when the node returns, with no new admission."""
+    running2 = dataclasses.replace(RUNNING3, world_size=2, healthy_since=-50.0)
+    plan = decide(with_queue(observe(running2, pods(2), nodes(2), 5.0, job=queued_spec()),
+                             admitted(3, ("PodsReady", "Started", ""))))  # fmt: skip
+    assert not any(isinstance(a, DeleteWorkload | RequestCheckpoint) for a in plan.actions)
