@@ -13,8 +13,9 @@
 #
 # Why from source: these machines have no Docker and cannot reach GitHub or dl.k8s.io, only
 # the Go module proxy. The wrapper modules in hack/gomod/ (see regen.sh there) pin
-# k8s.io/kubernetes, etcd, helm, Kubeflow's training-operator, Kueue and SeaweedFS (the tests' and
-# benchmarks' real S3 server); every binary is built from them with the local Go. The training-operator's directory also gets its PyTorchJob CRD and
+# k8s.io/kubernetes, etcd, helm, Kubeflow's training-operator, Kueue, JobSet, Kubeflow Trainer v2
+# and SeaweedFS (the tests' and benchmarks' real S3 server); every binary is built from them with
+# the local Go. The training-operator's directory also gets its PyTorchJob CRD and
 # ClusterRole (crds/, rbac/), copied from the same module version.
 #
 # Cache: ${CTJ_CACHE:-~/.cache/ctj}/<name>-<version>-<recipe>/bin, where <recipe> hashes the
@@ -120,6 +121,28 @@ extras_kueue() {
   cp "$src/components/rbac/role.yaml" "$1/rbac/"
   "$k8s_dir/bin/kubectl" kustomize "$src/default" > "$1/manifests.yaml"
 }
+jobset_pkg=sigs.k8s.io/jobset
+trainer_pkg=github.com/kubeflow/trainer/v2
+# extras_jobset DIR: JobSet's whole install (config/default rendered: its release's
+# manifests.yaml; CRD, manager, RBAC, webhooks, its internal certificate rotation)
+extras_jobset() {
+  local src
+  src="$(cd "$hack/gomod/jobset" && go list -m -f '{{.Dir}}' "$jobset_pkg")/config"
+  "$k8s_dir/bin/kubectl" kustomize "$src/default" > "$1/manifests.yaml"
+}
+# extras_kubeflow-trainer DIR: Trainer's install as its manifests/overlays/manager makes it
+# (CRDs, manager, RBAC, webhooks; no runtimes), less the JobSet it pulls from GitHub (the
+# line its own comment says to drop where JobSet is installed: ours is built above). The
+# overlay is rendered from a copy, the module cache being read-only.
+extras_kubeflow-trainer() {
+  local src tmp
+  src="$(cd "$hack/gomod/trainer" && go list -m -f '{{.Dir}}' "$trainer_pkg")/manifests"
+  tmp="$1/.manifests-src"
+  rm -rf "$tmp" && cp -r "$src" "$tmp" && chmod -R u+w "$tmp"
+  sed -i '\#third-party/jobset#d' "$tmp/overlays/manager/kustomization.yaml"
+  "$k8s_dir/bin/kubectl" kustomize "$tmp/overlays/manager" > "$1/manifests.yaml"
+  rm -rf "$tmp"
+}
 # extras_kube-network-policies DIR: its main package is .../cmd, which `go build -o DIR/`
 # names `cmd`
 extras_kube-network-policies() { mv "$1/bin/cmd" "$1/bin/kube-network-policies"; }
@@ -155,6 +178,13 @@ kubeflow_dir="$(recipe_dir kubeflow "$KUBEFLOW_TRAINING_OPERATOR_VERSION" "$hack
 kueue_ldflags="-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
 kueue_dir="$(recipe_dir kueue "$KUEUE_VERSION" "$hack/gomod/kueue" "$kueue_ldflags" \
   "extras: crds rbac manifests.yaml")"
+jobset_ldflags="-s -w -X sigs.k8s.io/jobset/pkg/version.GitVersion=$JOBSET_VERSION"
+jobset_dir="$(recipe_dir jobset "$JOBSET_VERSION" "$hack/gomod/jobset" "$jobset_ldflags" \
+  "extras: manifests.yaml")"
+# (the trainer's manager has no version variable to set)
+trainer_ldflags="-s -w"
+trainer_dir="$(recipe_dir kubeflow-trainer "$KUBEFLOW_TRAINER_VERSION" "$hack/gomod/trainer" \
+  "$trainer_ldflags" "extras: manifests.yaml (overlays/manager less third-party/jobset)")"
 seaweedfs_ldflags="-s -w"
 seaweedfs_dir="$(recipe_dir seaweedfs "$SEAWEEDFS_VERSION" "$hack/gomod/seaweedfs" "$seaweedfs_ldflags")"
 # a complete downloaded directory stands for the built one (hack/registry/download.sh)
@@ -180,6 +210,8 @@ print_paths() {
   echo "CTJ_HELM_BIN_DIR=$helm_dir/bin"
   echo "CTJ_KUBEFLOW_BIN_DIR=$kubeflow_dir/bin"
   echo "CTJ_KUEUE_BIN_DIR=$kueue_dir/bin"
+  echo "CTJ_JOBSET_BIN_DIR=$jobset_dir/bin"
+  echo "CTJ_KUBEFLOW_TRAINER_BIN_DIR=$trainer_dir/bin"
   echo "CTJ_SEAWEEDFS_BIN_DIR=$seaweedfs_dir/bin"
 }
 
@@ -276,7 +308,10 @@ if [ "$mode" = "--kind" ] || [ "$mode" = "--kind-check" ]; then
 fi
 
 missing=()
-for d in "$etcd_dir" "$k8s_dir" "$helm_dir" "$kubeflow_dir" "$kueue_dir" "$seaweedfs_dir"; do [ -f "$d/.complete" ] || missing+=("$d"); done
+for d in "$etcd_dir" "$k8s_dir" "$helm_dir" "$kubeflow_dir" "$kueue_dir" "$jobset_dir" \
+         "$trainer_dir" "$seaweedfs_dir"; do
+  [ -f "$d/.complete" ] || missing+=("$d")
+done
 if [ "$mode" = "--check" ]; then
   print_paths
   if (( ${#missing[@]} )); then log "not built: ${missing[*]}"; exit 3; fi
@@ -296,6 +331,14 @@ if [ ! -f "$kubeflow_dir/.complete" ]; then
 fi
 if [ ! -f "$kueue_dir/.complete" ]; then
   build kueue "$kueue_dir" "$hack/gomod/kueue" "$kueue_ldflags" "$kueue_pkg/cmd/kueue"
+fi
+if [ ! -f "$jobset_dir/.complete" ]; then
+  # its manager is the module root's main package: `go build -o DIR/` names it `jobset`
+  build jobset "$jobset_dir" "$hack/gomod/jobset" "$jobset_ldflags" "$jobset_pkg"
+fi
+if [ ! -f "$trainer_dir/.complete" ]; then
+  build kubeflow-trainer "$trainer_dir" "$hack/gomod/trainer" "$trainer_ldflags" \
+    "$trainer_pkg/cmd/trainer-controller-manager"
 fi
 if [ ! -f "$seaweedfs_dir/.complete" ]; then
   build seaweedfs "$seaweedfs_dir" "$hack/gomod/seaweedfs" "$seaweedfs_ldflags" \

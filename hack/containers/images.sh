@@ -8,8 +8,13 @@
 #   CTJ_SEAWEEDFS_IMAGE=ctj/seaweedfs:<key>  deploy/seaweedfs/Dockerfile, our S3 server
 #   CTJ_KUBEFLOW_IMAGE=ctj/training-operator:<key>  deploy/kubeflow/Dockerfile, Kubeflow's
 #                                            PyTorchJob controller (the pytorchjob backend)
+#   CTJ_KUEUE_IMAGE=ctj/kueue:<key>          deploy/kueue/Dockerfile, Kueue's manager
+#   CTJ_JOBSET_IMAGE=ctj/jobset:<key>        deploy/jobset/Dockerfile, JobSet's manager
+#   CTJ_KUBEFLOW_TRAINER_IMAGE=ctj/kubeflow-trainer:<key>  deploy/kubeflow-trainer/Dockerfile,
+#                                            Kubeflow Trainer v2's controller (TrainJob)
 #
-#   hack/containers/images.sh [operator|sidecar|trainer|seaweedfs|kubeflow ...]  (default: all)
+#   hack/containers/images.sh [operator|sidecar|trainer|seaweedfs|kubeflow|kueue|jobset|
+#                              kubeflow-trainer ...]  (default: all)
 #   hack/containers/images.sh --prune IMAGE...   remove every other build of these images
 #                                                (older tags of ctj/operator, ctj/trainer, ...)
 #
@@ -74,7 +79,7 @@ if [ "${1:-}" = "--prune" ]; then
   shift
   keep=" $* "
   for img in $("$DOCKER" images --format '{{.Repository}}:{{.Tag}}' \
-               | grep -E '^ctj/(operator|sidecar|trainer|seaweedfs|training-operator):' || true); do
+               | grep -E '^ctj/(operator|sidecar|trainer|seaweedfs|training-operator|kueue|jobset|kubeflow-trainer):' || true); do
     if [[ "$keep" != *" $img "* ]] && "$DOCKER" rmi "$img" >/dev/null 2>&1; then
       log "removed $img (an older build)"
     fi
@@ -101,7 +106,7 @@ binary_image() {
 }
 built_dir() { "$root/hack/cluster-binaries.sh" | sed -n "s/^$1=//p"; }
 
-wanted=("$@"); (( ${#wanted[@]} )) || wanted=(operator sidecar trainer seaweedfs kubeflow kueue)
+wanted=("$@"); (( ${#wanted[@]} )) || wanted=(operator sidecar trainer seaweedfs kubeflow kueue jobset kubeflow-trainer)
 # ctj_inputs TARGET: what the Dockerfile's target is built from (its COPY sources), a line each
 ctj_inputs() {
   printf '%s\n' "$root/Dockerfile" "$root/.dockerignore" "$root/requirements/dev.txt" \
@@ -140,6 +145,17 @@ for what in "${wanted[@]}"; do
         "$(built_dir CTJ_KUEUE_BIN_DIR)/kueue")"
       log "$image: $(size "$image")"
       echo "CTJ_KUEUE_IMAGE=$image" ;;
-    *) log "unknown image '$what' (operator, sidecar, trainer, seaweedfs, kubeflow, kueue)"; exit 2 ;;
+    jobset)
+      image="$(binary_image jobset "$root/deploy/jobset/Dockerfile" \
+        "$(built_dir CTJ_JOBSET_BIN_DIR)/jobset")"
+      log "$image: $(size "$image")"
+      echo "CTJ_JOBSET_IMAGE=$image" ;;
+    kubeflow-trainer)
+      image="$(binary_image kubeflow-trainer "$root/deploy/kubeflow-trainer/Dockerfile" \
+        "$(built_dir CTJ_KUBEFLOW_TRAINER_BIN_DIR)/trainer-controller-manager")"
+      log "$image: $(size "$image")"
+      echo "CTJ_KUBEFLOW_TRAINER_IMAGE=$image" ;;
+    *) log "unknown image '$what' (operator, sidecar, trainer, seaweedfs, kubeflow, kueue, jobset, kubeflow-trainer)"
+       exit 2 ;;
   esac
 done

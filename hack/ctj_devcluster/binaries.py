@@ -83,3 +83,19 @@ def find_binaries() -> Binaries:
         kubectl=k8s / "kubectl",
         helm=helm / "helm",
     )
+
+
+def find_built(var: str, what: str, *files: str) -> tuple[Path, ...]:
+    """``files`` (relative to the cache directory: ``bin/<name>``, ``crds``, ...) of the
+    build hack/cluster-binaries.sh prints as ``var`` (``<dir>/bin``; the environment's
+    ``var`` first, else its ``--check``). BinariesMissing, naming ``what`` and how to build
+    it, where any of them is missing."""
+    bin_dir = os.environ.get(var) or built_dirs().get(var, "")
+    root = Path(bin_dir).parent
+    paths = tuple(root / f for f in files)
+    missing = [str(p) for p in paths if not p.exists()]
+    if not bin_dir or missing:
+        raise BinariesMissing(
+            f"{what} is not built ({', '.join(missing) or var + ' unset'}); run {BUILD_SCRIPT}"
+        )
+    return paths

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .binaries import BUILD_SCRIPT, BinariesMissing, built_dirs
+from .binaries import find_built
 from .ports import retry_on_bind_conflict
 from .processes import ManagedProcess, ProcessDied
 
@@ -78,22 +78,11 @@ class KubeflowBuild:
     @classmethod
     def find(cls) -> KubeflowBuild:
         """From ``CTJ_KUBEFLOW_BIN_DIR`` or the build script's ``--check``."""
-        bin_dir = os.environ.get("CTJ_KUBEFLOW_BIN_DIR") or built_dirs().get(
-            "CTJ_KUBEFLOW_BIN_DIR", ""
-        )
-        root = Path(bin_dir).parent
-        build = cls(
-            binary=Path(bin_dir) / "training-operator.v1",
-            crd=root / "crds" / "kubeflow.org_pytorchjobs.yaml",
-            cluster_role=root / "rbac" / "role.yaml",
-        )
-        missing = [str(p) for p in (build.binary, build.crd, build.cluster_role) if not p.exists()]
-        if not bin_dir or missing:
-            raise BinariesMissing(
-                f"the Kubeflow training-operator is not built ({', '.join(missing) or bin_dir}); "
-                f"run {BUILD_SCRIPT}"
-            )
-        return build
+        binary, crd, cluster_role = find_built(
+            "CTJ_KUBEFLOW_BIN_DIR", "the Kubeflow training-operator", "bin/training-operator.v1",
+            "crds/kubeflow.org_pytorchjobs.yaml", "rbac/role.yaml",
+        )  # fmt: skip
+        return cls(binary=binary, crd=crd, cluster_role=cluster_role)
 
 
 def install_crd(cluster: Cluster, build: KubeflowBuild) -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from .binaries import BUILD_SCRIPT, BinariesMissing, built_dirs
+from .binaries import find_built
 from .certs import CertificateAuthority
 from .ports import retry_on_bind_conflict
 from .processes import ManagedProcess, ProcessDied
@@ -56,15 +56,10 @@ class KueueBuild:
     @classmethod
     def find(cls) -> KueueBuild:
         """From ``CTJ_KUEUE_BIN_DIR`` or the build script's ``--check``."""
-        bin_dir = os.environ.get("CTJ_KUEUE_BIN_DIR") or built_dirs().get("CTJ_KUEUE_BIN_DIR", "")
-        root = Path(bin_dir).parent
-        build = cls(Path(bin_dir) / "kueue", root / "crds", root / "manifests.yaml")
-        missing = [str(p) for p in (build.binary, build.crds, build.manifests) if not p.exists()]
-        if not bin_dir or missing:
-            raise BinariesMissing(
-                f"Kueue is not built ({', '.join(missing) or bin_dir}); run {BUILD_SCRIPT}"
-            )
-        return build
+        binary, crds, manifests = find_built(
+            "CTJ_KUEUE_BIN_DIR", "Kueue", "bin/kueue", "crds", "manifests.yaml"
+        )
+        return cls(binary, crds, manifests)
 
 
 def install_crds(cluster: Cluster, build: KueueBuild) -> None:

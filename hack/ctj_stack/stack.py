@@ -38,6 +38,8 @@ S3_SERVER = "seaweedfs"  # its StatefulSet; the pod is seaweedfs-0
 DEFAULT_CLASS_ANNOTATION = "storageclass.kubernetes.io/is-default-class"
 KUBEFLOW_NAMESPACE = "kubeflow"
 KUEUE_NAMESPACE = "kueue-system"  # where Kueue's manifests put it
+JOBSET_NAMESPACE = "jobset-system"  # where JobSet's config/default puts it
+TRAINER_NAMESPACE = "kubeflow-system"  # where Trainer's manifests/overlays/manager puts it
 KUBEFLOW_WEBHOOK = "validator.training-operator.kubeflow.org"
 OPERATOR_NAMESPACE = "ctj-system"
 LEADER_LEASE = "ctj-operator"  # the operator's default --leader-election-name
@@ -66,6 +68,8 @@ class Images:
     seaweedfs: str
     kubeflow: str = ""  # Kubeflow's controller (deploy/kubeflow); "": the cluster's own, if any
     kueue: str = ""  # Kueue's manager (deploy/kueue); "": no Kueue is installed
+    jobset: str = ""  # JobSet's manager (deploy/jobset); "": no Kubeflow Trainer is installed
+    kubeflow_trainer: str = ""  # Kubeflow Trainer v2's manager (deploy/kubeflow-trainer)
     sidecar: str = ""  # the checkpoint sidecar (no torch); "": the trainer image serves
 
     @classmethod
@@ -78,8 +82,25 @@ class Images:
             seaweedfs=_required(env, "CTJ_SEAWEEDFS_IMAGE", hint),
             kubeflow=env.get("CTJ_KUBEFLOW_IMAGE", ""),
             kueue=env.get("CTJ_KUEUE_IMAGE", ""),
+            jobset=env.get("CTJ_JOBSET_IMAGE", ""),
+            kubeflow_trainer=env.get("CTJ_KUBEFLOW_TRAINER_IMAGE", ""),
             sidecar=env.get("CTJ_SIDECAR_IMAGE", ""),
         )
+
+
+def _run_manager(objects: list[dict[str, Any]], image: str, control_plane: bool) -> None:
+    """A controller's rendered install, its Deployment's one container run from ``image``
+    (loaded on the nodes: never pulled) and, with ``control_plane``, on the control-plane
+    node (its webhooks must answer while workers are lost)."""
+    for obj in objects:
+        if obj["kind"] == "Deployment":
+            pod = obj["spec"]["template"]["spec"]
+            (container,) = pod["containers"]
+            container["image"] = image
+            container["imagePullPolicy"] = "IfNotPresent"
+            if control_plane:
+                pod["tolerations"] = [CONTROL_PLANE_TOLERATION]
+                pod["nodeSelector"] = {CONTROL_PLANE_LABEL: ""}
 
 
 def _repo_tag(image: str) -> tuple[str, str]:
@@ -350,14 +371,7 @@ class Stack(Harness):
                 config["featureGates"] = {**(config.get("featureGates") or {}),
                                           "VisibilityOnDemand": False}  # fmt: skip
                 obj["data"][key] = yaml.safe_dump(config)
-            if obj["kind"] == "Deployment":
-                pod = obj["spec"]["template"]["spec"]
-                (container,) = pod["containers"]
-                container["image"] = self.images.kueue
-                container["imagePullPolicy"] = "IfNotPresent"
-                if control_plane:  # its webhooks must answer while workers are lost
-                    pod["tolerations"] = [CONTROL_PLANE_TOLERATION]
-                    pod["nodeSelector"] = {CONTROL_PLANE_LABEL: ""}
+        _run_manager(objects, self.images.kueue, control_plane)
         self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
                      stdin=yaml.safe_dump_all(objects))  # fmt: skip
         for crd in ("workloads", "clusterqueues", "localqueues", "resourceflavors"):
@@ -381,16 +395,97 @@ class Stack(Harness):
         probe = {"apiVersion": "apps/v1", "kind": "Deployment",
                  "metadata": {"name": "kueue-probe", "namespace": "default"},
                  "spec": {"selector": {"matchLabels": labels}, "template": template}}  # fmt: skip
+        self._wait_dry_run(probe, "Kueue's webhooks answering")
+        return manifests
 
-        def webhooks_answer() -> bool:
+    def _wait_dry_run(self, obj: dict[str, Any], what: str, timeout: float = 120) -> None:
+        """Until the API server accepts a server-side dry-run create of ``obj`` (its
+        admission webhooks, failurePolicy Fail, answer: their CA is in place and their
+        server up); the last refusal is in the timeout's message."""
+        last = [""]
+
+        def accepted() -> bool:
             try:
-                self.kubectl("create", "--dry-run=server", "-f", "-", stdin=json.dumps(probe))
-            except RuntimeError:
+                self.kubectl("create", "--dry-run=server", "-f", "-", stdin=json.dumps(obj))
+            except RuntimeError as exc:
+                last[0] = str(exc)
                 return False
             return True
 
-        self.wait(webhooks_answer, "Kueue's webhooks answering", 120)
-        return manifests
+        self.wait(accepted, what, timeout, diagnostics=lambda: last[0])
+
+    def install_trainer(self, control_plane: bool = False) -> None:
+        """Kubeflow Trainer v2 (TrainJob, TrainingRuntime, ClusterTrainingRuntime) and the
+        JobSet it makes of each TrainJob, as their own manifests install them (rendered
+        from the modules they are built from: JobSet's config/default, the trainer's
+        manifests/overlays/manager; each with its internal certificate rotation for its
+        webhooks), with our images of their managers. Waits until each one's CRDs are
+        established, its Deployment is rolled out and its webhooks answer a dry run.
+        ``control_plane``: both managers on the control-plane node (JobSet's pod webhooks,
+        failurePolicy Fail, stand between a JobSet's pods and the API server). Again on a
+        cluster that has them: a no-op apply and the same waits."""
+        from ctj_devcluster.trainer import JobSetBuild, TrainerBuild
+
+        wanted = {"CTJ_JOBSET_IMAGE": self.images.jobset,
+                  "CTJ_KUBEFLOW_TRAINER_IMAGE": self.images.kubeflow_trainer}  # fmt: skip
+        for env, image in wanted.items():
+            if not image:
+                raise ValueError(f"{env} is not set: build it with hack/containers/images.sh")
+        jobset, trainer = JobSetBuild.find(), TrainerBuild.find()
+        self.log(f"JobSet: {jobset.manifests} ({self.images.jobset})")
+        # nothing of config/default to drop (its CRD's cert-manager annotation is inert
+        # without cert-manager; no ServiceMonitor, no APIService, no other image). One
+        # change: its manager's CPU request, 500m, made 100m. A kind node has 2 CPUs and
+        # the control plane's own pods ask 920m of them: with Kueue's 500m beside it (both
+        # pinned there) neither the operator nor Kubeflow's controller would fit.
+        self._apply_manager(jobset.manifests, self.images.jobset, control_plane, cpu="100m")
+        wait_crd_established(self.kubectl, "jobsets.jobset.x-k8s.io")
+        self.kubectl("-n", JOBSET_NAMESPACE, "rollout", "status",
+                     "deployment/jobset-controller-manager", "--timeout=300s")  # fmt: skip
+        container = {"name": "c", "image": "x"}
+        probe_job = {"template": {"spec": {"restartPolicy": "Never", "containers": [container]}}}
+        self._wait_dry_run({
+            "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+            "metadata": {"name": "ctj-probe", "namespace": "default"},
+            "spec": {"replicatedJobs": [{"name": "r", "template": {"spec": probe_job}}]},
+        }, "JobSet's webhooks answering")  # fmt: skip
+
+        self.log(f"Kubeflow Trainer: {trainer.manifests} ({self.images.kubeflow_trainer})")
+        # as rendered (overlays/manager less its JobSet, which the build leaves out: it
+        # would be fetched from GitHub): no runtimes, so no image but the manager's
+        self._apply_manager(trainer.manifests, self.images.kubeflow_trainer, control_plane)
+        for crd in ("trainjobs", "trainingruntimes", "clustertrainingruntimes"):
+            wait_crd_established(self.kubectl, f"{crd}.trainer.kubeflow.org")
+        self.kubectl("-n", TRAINER_NAMESPACE, "rollout", "status",
+                     "deployment/kubeflow-trainer-controller-manager",
+                     "--timeout=300s")  # fmt: skip
+        node = {"name": "node", "image": "x"}
+        self._wait_dry_run({
+            "apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainingRuntime",
+            "metadata": {"name": "ctj-probe", "namespace": "default"},
+            "spec": {"mlPolicy": {"numNodes": 1}, "template": {"spec": {"replicatedJobs": [{
+                "name": "node",
+                "template": {
+                    "metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step":
+                                            "trainer"}},
+                    "spec": {"template": {"spec": {"containers": [node]}}},
+                },
+            }]}}},
+        }, "Kubeflow Trainer's webhooks answering")  # fmt: skip
+
+    def _apply_manager(
+        self, manifests: Path, image: str, control_plane: bool, cpu: str = ""
+    ) -> None:
+        """``manifests`` (a controller's own install), its manager run from ``image``
+        (``cpu``: its CPU request instead of the manifests')."""
+        objects = [o for o in yaml.safe_load_all(manifests.read_text()) if o]
+        _run_manager(objects, image, control_plane)
+        for obj in objects:
+            if cpu and obj["kind"] == "Deployment":
+                (container,) = obj["spec"]["template"]["spec"]["containers"]
+                container.setdefault("resources", {}).setdefault("requests", {})["cpu"] = cpu
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+                     stdin=yaml.safe_dump_all(objects))  # fmt: skip
 
     def uninstall_kueue(self, manifests: Path) -> None:
         """Kueue's objects while its manager still runs (it removes their finalizers: a

@@ -3,7 +3,7 @@
 #
 #   hack/gomod/regen.sh              all of them
 #   hack/gomod/regen.sh kind coredns only those named (k8s k8s-node etcd helm kubeflow
-#                                    kueue seaweedfs kind coredns cri-tools)
+#                                    kueue jobset trainer seaweedfs kind coredns cri-tools)
 #
 # Why generated: k8s.io/kubernetes is not meant to be required as a library; its
 # go.mod replaces every k8s.io staging module with ./staging/src/..., which only
@@ -78,6 +78,17 @@ fi
 if wanted kueue; then
   plain_module "$here/kueue" kueue 1.26.0 sigs.k8s.io/kueue "$KUEUE_VERSION"
   done_list+=("$here/kueue")
+fi
+# --- JobSet (its manager: the workload Kubeflow Trainer v2 makes of a TrainJob) --------
+if wanted jobset; then
+  plain_module "$here/jobset" jobset 1.26.0 sigs.k8s.io/jobset "$JOBSET_VERSION"
+  done_list+=("$here/jobset")
+fi
+# --- Kubeflow Trainer v2 (its trainer-controller-manager: TrainJob, TrainingRuntime) --
+if wanted trainer; then
+  plain_module "$here/trainer" trainer 1.26.0 github.com/kubeflow/trainer/v2 \
+    "$KUBEFLOW_TRAINER_VERSION"
+  done_list+=("$here/trainer")
 fi
 # --- SeaweedFS (weed) -------------------------------------------------------
 if wanted seaweedfs; then

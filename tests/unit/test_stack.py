@@ -29,6 +29,42 @@ def test_images_come_from_the_environment_and_a_missing_one_is_named() -> None:
     assert st.Images.from_env(kf).kubeflow == "ctj/training-operator:k"
 
 
+def test_jobset_s_and_kubeflow_trainer_s_images_come_from_the_environment() -> None:
+    """hack/containers/images.sh prints them; install_trainer names the one missing
+    before it looks for any build."""
+    env = {**IMAGES, "CTJ_JOBSET_IMAGE": "ctj/jobset:j",
+           "CTJ_KUBEFLOW_TRAINER_IMAGE": "ctj/kubeflow-trainer:t"}  # fmt: skip
+    images = st.Images.from_env(env)
+    assert (images.jobset, images.kubeflow_trainer) == ("ctj/jobset:j", "ctj/kubeflow-trainer:t")
+    assert (st.Images.from_env(IMAGES).jobset, st.Images.from_env(IMAGES).kubeflow_trainer) == (
+        "", ""
+    )
+    stack = st.Stack.__new__(st.Stack)
+    stack.images = st.Images.from_env({**IMAGES, "CTJ_JOBSET_IMAGE": "ctj/jobset:j"})
+    with pytest.raises(ValueError, match="CTJ_KUBEFLOW_TRAINER_IMAGE is not set.*images.sh"):
+        stack.install_trainer()
+
+
+@pytest.mark.parametrize("control_plane", [False, True])
+def test_a_controller_s_manager_runs_our_image_never_pulled(control_plane: bool) -> None:
+    """Kueue's, JobSet's and the trainer's rendered installs: only the Deployment changes."""
+    container = {"name": "manager", "image": "registry.k8s.io/jobset/jobset:v0.12.0"}
+    deployment = {"kind": "Deployment",
+                  "spec": {"template": {"spec": {"containers": [container]}}}}  # fmt: skip
+    service = {"kind": "Service", "spec": {"selector": {"app": "x"}}}
+    objects = [deployment, yaml.safe_load(yaml.safe_dump(service))]
+    st._run_manager(objects, "ctj/jobset:j", control_plane)
+    pod = objects[0]["spec"]["template"]["spec"]
+    assert pod["containers"] == [{"name": "manager", "image": "ctj/jobset:j",
+                                  "imagePullPolicy": "IfNotPresent"}]  # fmt: skip
+    assert objects[1] == service
+    if control_plane:
+        assert pod["nodeSelector"] == {st.CONTROL_PLANE_LABEL: ""}
+        assert pod["tolerations"] == [st.CONTROL_PLANE_TOLERATION]
+    else:
+        assert "nodeSelector" not in pod and "tolerations" not in pod
+
+
 def _chart_sets(env: dict[str, str]) -> list[str]:
     """The --set values install_operator gives helm."""
     stack = st.Stack.__new__(st.Stack)
