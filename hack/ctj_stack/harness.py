@@ -27,9 +27,11 @@ from ctj_devcluster.processes import wait_until
 from kubernetes import client
 
 # how the Kubeflow controller labels its pods (backend pytorchjob), and the container name
-# a PyTorchJob requires
+# a PyTorchJob requires (a TrainJob's runtime: "node")
 KF_REPLICA_TYPE = "training.kubeflow.org/replica-type"
 KF_TRAINER = "pytorch"
+TRAINJOB_TRAINER = "node"
+JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # a TrainJob pod's rank
 RESTART_TIMEOUT = 420.0  # node-monitor grace + teardown + scheduling + torch's start
 
 
@@ -169,7 +171,7 @@ class Harness(ABC):
         """The JSON lines examples/train_fsdp.py printed (none if the pod has no log yet),
         from its trainer container (named ``pytorch`` in a PyTorchJob's pods); ``attempt``:
         only that attempt's."""
-        for container in ("trainer", KF_TRAINER):
+        for container in ("trainer", KF_TRAINER, TRAINJOB_TRAINER):
             text = self.container_log(namespace, pod, container)
             if text is not None:
                 return trainer_log_events(text, attempt)
@@ -192,7 +194,9 @@ class Harness(ABC):
         """The name of ``attempt``'s rank-0 pod (the example logs from rank 0 only)."""
         for p in self.attempt_pods(namespace, name, attempt):
             labels = p.metadata.labels
-            if labels.get(LABEL_RANK) == "0" or labels.get(KF_REPLICA_TYPE) == "master":
+            if "0" in (labels.get(LABEL_RANK), labels.get(JOB_COMPLETION_INDEX)) or (
+                labels.get(KF_REPLICA_TYPE) == "master"
+            ):
                 return str(p.metadata.name)
         return None
 

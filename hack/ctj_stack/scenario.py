@@ -227,10 +227,14 @@ class Lifecycle:
         assert row["PHASE"] == "Running" and row["WORLD"] == str(self.world), table
         kubectl_wait(c, ns, name, "Running", "Queued=false")
         assert_standard_conditions(c, ns, name)
-        if self.backend == "pytorchjob":  # the controller's pods, owned by our PyTorchJob
+        owners = {  # the controllers' pods: of our PyTorchJob, or of our TrainJob's Job
+            "pytorchjob": ("PyTorchJob", f"{name}-a{st['attempt']}"),
+            "trainjob": ("Job", f"{name}-a{st['attempt']}-node-0"),
+        }
+        if self.backend in owners:
             for pod in c.attempt_pods(ns, name, st["attempt"]):
                 (owner,) = pod.metadata.owner_references
-                assert (owner.kind, owner.name) == ("PyTorchJob", f"{name}-a{st['attempt']}")
+                assert (owner.kind, owner.name) == owners[self.backend], owner
         self.attempt = int(st["attempt"])
         if self.spares:
             self._spares_warm()

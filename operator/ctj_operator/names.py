@@ -112,6 +112,9 @@ def derived_names(job: str, backend: Backend, *, attempt: int, rank: int) -> tup
             Derived("the TrainJob, its JobSet and their Service", trainjob, Rule.DNS1035_LABEL),
             Derived(f"label {JOBSET_NAME_LABEL}", trainjob, Rule.LABEL_VALUE),
             Derived("the rank's pod hostname", pod, Rule.DNS1123_LABEL),
+            # the Job controller names the pod <hostname>-<5 random characters>, and
+            # JobSet's webhook holds that name to a DNS label too
+            Derived("the rank's pod name", f"{pod}-{'x' * 5}", Rule.DNS1123_LABEL),
         )
     return (
         *names,

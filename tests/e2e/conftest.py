@@ -95,7 +95,19 @@ def kubeflow(stack: Stack) -> str:
 
 
 @pytest.fixture(scope="session")
-def operator_installed(stack: Stack, kubeflow: str) -> Iterator[str]:
+def trainer(stack: Stack) -> str:
+    """Kubeflow Trainer v2 and JobSet, for the trainjob backend: ours (built from their Go
+    modules, hack/cluster-binaries.sh) where CTJ_KUBEFLOW_TRAINER_IMAGE and
+    CTJ_JOBSET_IMAGE name their images. Installed before the operator, which then watches
+    TrainJobs. Returns "" when installed, else why not (the backend's scenario skips)."""
+    if not (stack.images.kubeflow_trainer and stack.images.jobset):
+        return "CTJ_KUBEFLOW_TRAINER_IMAGE and CTJ_JOBSET_IMAGE are not set"
+    stack.install_trainer(control_plane=bool(stack.control_plane_nodes()))
+    return ""
+
+
+@pytest.fixture(scope="session")
+def operator_installed(stack: Stack, kubeflow: str, trainer: str) -> Iterator[str]:
     """The chart, installed as a user would, its operator on a control-plane node where
     the cluster has one (losing a worker then loses training pods only). Yields the
     operator's namespace."""

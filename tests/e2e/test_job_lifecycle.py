@@ -3,8 +3,9 @@ our operator image, the example job on our trainer image checkpointing to the S3
 in the cluster, a node lost (its container killed) and back, a `kubectl scale`, a rank's
 trainer paused for less than the heartbeat timeout (nothing happens) and then stopped for
 good (a hung rank, restarted within seconds), a delete, and a new job that resumes from
-the deleted one's checkpoints (`resumeFrom`); then the scenario with backend pytorchjob,
-under Kubeflow's controller; then two ranks per pod under torchrun
+the deleted one's checkpoints (`resumeFrom`); then the scenario with backend trainjob,
+under Kubeflow Trainer v2 and JobSet, and with backend pytorchjob, under Kubeflow's v1
+controller; then two ranks per pod under torchrun
 (examples/job-torchrun.yaml), one sidecar serving both, through a node loss that
 reshards 3 pods x 2 ranks to 2 x 2.
 
@@ -144,20 +145,16 @@ class TestJobLifecycle:
         scenario.queued_for_nodes()
 
 
-class TestPytorchJobLifecycle(TestJobLifecycle):
-    """Backend pytorchjob: each attempt is a PyTorchJob, whose pods, Services and
-    rendezvous environment Kubeflow's controller makes (and whose spec its webhook
-    validates); the operator still decides every attempt and its world size."""
+class _ControllerBackend(TestJobLifecycle):
+    """A backend whose attempts another controller runs from one object: the steps that
+    only the operator and the sidecar decide, whoever made the pods, run once above."""
 
-    JOB = "demo-kf"
-    BACKEND = "pytorchjob"
-    state: dict[str, Lifecycle] = {}
     # Not repeated here: `kubectl scale` is a planned restart at a new size, the path the
     # node's return (ScaleUp) has just taken with this backend (a planned stop, a new
-    # PyTorchJob at another world size); the pods backend runs it above.
+    # object at another world size); the pods backend runs it above.
     test_kubectl_scale_resizes_the_job = None  # type: ignore[assignment]
-    # a suspend is the same planned stop (its pods or its PyTorchJob deleted), then no
-    # attempt until resumed: the operator's, whatever the backend
+    # a suspend is the same planned stop (the attempt's object deleted), then no attempt
+    # until resumed: the operator's, whatever the backend
     test_a_suspended_job_checkpoints_stops_and_resumes_at_another_size = None  # type: ignore[assignment]
     # detection is the operator's and the sidecar's, whatever made the pods
     test_a_trainer_paused_for_less_than_the_timeout_keeps_its_attempt = None  # type: ignore[assignment]
@@ -168,6 +165,32 @@ class TestPytorchJobLifecycle(TestJobLifecycle):
     # the Failed and Queued conditions are the operator's, whatever the backend
     test_a_job_resuming_from_nothing_fails_naming_the_field = None  # type: ignore[assignment]
     test_a_job_wider_than_the_cluster_waits_queued = None  # type: ignore[assignment]
+
+
+class TestTrainJobLifecycle(_ControllerBackend):
+    """Backend trainjob: each attempt is a Kubeflow Trainer v2 TrainJob with its own
+    TrainingRuntime; Trainer makes it a JobSet, JobSet an Indexed Job, whose controller
+    makes the pods (and JobSet their headless Service); the operator still decides every
+    attempt and its world size."""
+
+    JOB = "demo-tj"
+    BACKEND = "trainjob"
+    state: dict[str, Lifecycle] = {}
+
+    @pytest.fixture(autouse=True)
+    def _trainer(self, trainer: str) -> None:
+        if trainer:
+            pytest.skip(f"backend trainjob: {trainer}")
+
+
+class TestPytorchJobLifecycle(_ControllerBackend):
+    """Backend pytorchjob (legacy): each attempt is a PyTorchJob, whose pods, Services and
+    rendezvous environment Kubeflow's v1 controller makes (and whose spec its webhook
+    validates); the operator still decides every attempt and its world size."""
+
+    JOB = "demo-kf"
+    BACKEND = "pytorchjob"
+    state: dict[str, Lifecycle] = {}
 
     @pytest.fixture(autouse=True)
     def _kubeflow(self, kubeflow: str) -> None:

@@ -128,9 +128,9 @@ def test_the_rules_are_checked_at_create_only() -> None:
 
 def test_the_limit_and_why_are_in_the_message() -> None:
     limits = [max_name_length(b) for b in (Backend.PODS, Backend.PYTORCHJOB, Backend.TRAINJOB)]
-    assert limits == [46, 39, 39]
+    assert limits == [46, 39, 33]
     message = length_message()
-    assert "at most 46 characters (39 with spec.backend pytorchjob, 39 with trainjob)" in message
+    assert "at most 46 characters (39 with spec.backend pytorchjob, 33 with trainjob)" in message
     assert "63-character" in message and "Choose a shorter name" in message
     assert "DNS-1035" in FORM_MESSAGE and "Rename the job" in FORM_MESSAGE
 
