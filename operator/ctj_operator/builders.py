@@ -518,17 +518,13 @@ def _pod(
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = job
     _place(pod_spec, job, avoid)
-    template_meta = spec.template.get("metadata") or {}
-    all_labels = {**(template_meta.get("labels") or {}), **labels}
-    if spec.relaunches:
-        all_labels[LABEL_LAUNCHER] = "true"
+    launcher = {LABEL_LAUNCHER: "true"} if spec.relaunches else {}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": name,
-            "labels": all_labels,
-            "annotations": dict(template_meta.get("annotations") or {}),
+            **_pod_metadata(spec, {**labels, **launcher}),
             "ownerReferences": [owner_reference(body)],
         },
         "spec": pod_spec,
@@ -543,6 +539,15 @@ def rank_labels(job: str, attempt: int, node_rank: int, world_size: int) -> dict
         LABEL_ATTEMPT: str(attempt),
         LABEL_RANK: str(node_rank),
         LABEL_WORLD: str(world_size),
+    }
+
+
+def _pod_metadata(spec: JobSpec, labels: Mapping[str, str]) -> dict[str, Any]:
+    """A rank pod's labels (the template's, then ours) and annotations (the template's)."""
+    template_meta = spec.template.get("metadata") or {}
+    return {
+        "labels": {**(template_meta.get("labels") or {}), **labels},
+        "annotations": dict(template_meta.get("annotations") or {}),
     }
 
 
@@ -577,7 +582,6 @@ def build_pytorchjob(
     _node_cache(pod_spec, spec, body, peers)
     _place(pod_spec, job, avoid)
     labels = {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt), LABEL_WORLD: str(world_size)}
-    template_meta = spec.template.get("metadata") or {}
     replicas: dict[str, Any] = {}
     for kind, count, rank in (("Master", 1, 0), ("Worker", world_size - 1, None)):
         if count < 1:
@@ -587,13 +591,7 @@ def build_pytorchjob(
         replicas[kind] = {
             "replicas": count,
             "restartPolicy": "Never",
-            "template": {
-                "metadata": {
-                    "labels": {**(template_meta.get("labels") or {}), **labels},
-                    "annotations": dict(template_meta.get("annotations") or {}),
-                },
-                "spec": kind_spec,
-            },
+            "template": {"metadata": _pod_metadata(spec, labels), "spec": kind_spec},
         }
     return {
         "apiVersion": "kubeflow.org/v1",
@@ -664,19 +662,12 @@ def build_trainjob(
     )
     _place(pod_spec, job, avoid)
     labels = {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt), LABEL_WORLD: str(world_size)}
-    template_meta = spec.template.get("metadata") or {}
     meta = {"name": name, "labels": labels, "ownerReferences": [owner_reference(body)]}
     indexed_job = {
         "completionMode": "Indexed",
         "backoffLimitPerIndex": 0,
         "podReplacementPolicy": "Failed",
-        "template": {
-            "metadata": {
-                "labels": {**(template_meta.get("labels") or {}), **labels},
-                "annotations": dict(template_meta.get("annotations") or {}),
-            },
-            "spec": pod_spec,
-        },
+        "template": {"metadata": _pod_metadata(spec, labels), "spec": pod_spec},
     }
     runtime = {
         "apiVersion": f"{TRAINER_GROUP}/{TRAINER_VERSION}",
