@@ -4,6 +4,7 @@ the cluster harness over it (ctj_stack.harness: reading a job back, stopping a n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -11,6 +12,7 @@ import secrets
 import shlex
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,6 +206,7 @@ class Stack(Harness):
         self.tools = tools or Tools.find()
         self.nodes = nodes
         self.apps = client.AppsV1Api(self.api_client)
+        self.stopped: set[str] = set()  # nodes a scenario stopped and has not started again
 
     # --- commands -------------------------------------------------------------------
 
@@ -559,9 +562,22 @@ class Stack(Harness):
 
     def stop_node(self, node: str) -> None:
         self._node_control().stop_node(node)
+        self.stopped.add(node)
 
     def start_node(self, node: str) -> None:
         self._node_control().start_node(node)
+        self.stopped.discard(node)
+
+    def start_stopped_nodes(self) -> None:
+        """Starts every node a scenario stopped and left down (its step failed before the
+        node's return) and waits for their kubelets: the next scenario gets the whole
+        cluster, not one node short."""
+        for node in sorted(self.stopped):
+            started = time.time()
+            self.log(f"starting node {node}, left stopped by a failed step")
+            self.start_node(node)
+            self.wait(functools.partial(self.node_back, node, started),
+                      f"node {node}'s kubelet back", 300)  # fmt: skip
 
     def signal_trainer(self, namespace: str, pod: str, signal: str) -> None:
         """On the pod's node: the trainer container's main process, by its container ID

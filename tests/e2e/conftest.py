@@ -67,7 +67,12 @@ def stack() -> Stack:
     problems = cluster_problems(stack.core, images.trainer, stack.log)
     if problems:
         pytest.fail("e2e tier: the cluster cannot run it: " + "; ".join(problems), pytrace=False)
+    _STACKS.append(stack)
     return stack
+
+
+_STACKS: list[Stack] = []
+"""The session's stack, once made (``_nodes_back`` reads it without making one)."""
 
 
 @pytest.fixture(scope="session")
@@ -77,6 +82,16 @@ def node_control(stack: Stack) -> NodeControl:
     if stack.nodes is None:
         pytest.skip("CTJ_E2E_NODE_STOP/START are not set: no way to stop a node here")
     return stack.nodes
+
+
+@pytest.fixture(scope="class", autouse=True)
+def _nodes_back() -> Iterator[None]:
+    """After each scenario (a class; the module's own tests, outside one), every node it
+    stopped runs again: a node-loss step that failed before the node's return leaves no
+    later scenario a node short."""
+    yield
+    for stack in _STACKS:
+        stack.start_stopped_nodes()
 
 
 @pytest.fixture(scope="session")
