@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -250,14 +251,44 @@ def _send(call: Call, api: Api, rv: str) -> str:
     return rv
 
 
+WEBHOOK_LAG_S = 5.0
+"""How long a TrainJob's create is retried while Kubeflow Trainer's webhook says its
+TrainingRuntime, created just before it, is not found: the webhook reads runtimes from
+its informer's cache, which lags the API server (seen on kind: once in 7 attempts started
+after a node loss, the attempt then failed as PodRejected)."""
+WEBHOOK_RETRY_S = 0.25
+
+
+def _webhook_lags(call: Call, exc: ApiException) -> bool:
+    return (
+        call.kind == Kind.TRAINJOB
+        and exc.status in (400, 403, 422)
+        and "TrainingRuntime" in (message := _api_message(exc))
+        and "not found" in message
+    )
+
+
+def _create_past_webhook_lag(objects: _Objects, call: Call) -> None:
+    deadline = time.monotonic() + WEBHOOK_LAG_S
+    while True:
+        try:
+            objects.create(call.namespace, call.body)
+            return
+        except ApiException as exc:
+            if not _webhook_lags(call, exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(WEBHOOK_RETRY_S)
+
+
 def _create(objects: _Objects, call: Call) -> None:
     """Create; already there (409: a retry after a restart) is success. Admission such as
     a ResourceQuota runs before the API server finds the name taken, so re-creating an
     object that exists can be a 403 'exceeded quota' rather than a 409: a refusal is
-    settled by reading it."""
+    settled by reading it. A TrainJob refused for want of the runtime made just before it
+    is sent again for up to WEBHOOK_LAG_S."""
     name = call.body["metadata"]["name"]
     try:
-        objects.create(call.namespace, call.body)
+        _create_past_webhook_lag(objects, call)
     except ApiException as exc:
         if exc.status == 409:
             return

@@ -203,6 +203,30 @@ def test_a_refused_pod_is_reported_and_a_quota_refusal_of_an_existing_one_is_not
     assert not apply(render_plan(START, target()), api, resource_version="5").refused
 
 
+RUNTIME_NOT_SEEN = (
+    'admission webhook "validator.trainjob.trainer.kubeflow.org" denied the request: '
+    'spec.runtimeRef: Invalid value: {"name":"demo-a1"}: TrainingRuntime.trainer.kubeflow.org '
+    '"demo-a1" not found: specified trainingRuntime must be created before the TrainJob'
+)
+
+
+def test_a_trainjob_refused_for_its_runtime_not_yet_seen_is_sent_again() -> None:
+    """Trainer's webhook reads runtimes from its informer's cache, which lags the create
+    just before (seen on kind): the TrainJob is sent again, not the attempt failed. Any
+    other refusal is the attempt's, at once."""
+    api, log = fake_api(TRAINJOB={"create": api_error(400, RUNTIME_NOT_SEEN)})
+    outcome = apply(render_plan(START, target("trainjob")), api, resource_version="5")
+    assert not outcome.refused
+    creates = [entry for entry in log if entry[:2] == ("create", "TrainJob")]
+    assert creates == [("create", "TrainJob", "demo-a1")] * 2
+    assert log.index(("create", "TrainingRuntime", "demo-a1")) < log.index(creates[0])
+
+    api, log = fake_api(TRAINJOB={"create": api_error(422, "spec.trainer: Invalid value")})
+    outcome = apply(render_plan(START, target("trainjob")), api, resource_version="5")
+    assert outcome.refused == "spec.trainer: Invalid value"
+    assert [e for e in log if e[:2] == ("create", "TrainJob")] == [creates[0]]
+
+
 def test_a_terminating_namespace_ends_the_plan_quietly_and_server_errors_raise() -> None:
     terminating = api_error(403, "namespace ml is terminating", reason="NamespaceTerminating")
     api, _ = fake_api(SECRET={"create": terminating})
