@@ -467,9 +467,12 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
                 f"heartbeat in the {waited:.0f}s since it was seen Running"
             )
             return Ending("HeartbeatLost", msg, Cause.NODE, (p.node_name or "",))
+    late = [q for q in ranked if q.beating and _late(obs, q)]
     for p in ranked:
         hung = obs.trainers.get(p.node_rank)
         if p.beating and hung is not None and hung > timeout:
+            if any(q is not p for q in late):  # a peer's node may be lost: wait for its verdict
+                return None
             msg = (
                 f"the trainer of rank {p.node_rank} (pod {p.name}) has not run for {hung:.0f}s "
                 f"while its sidecar answers (failureDetection.heartbeatTimeoutSeconds="
@@ -490,6 +493,18 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
         cap = max(scheduled, spec.min_replicas)
         return Ending("Unschedulable", msg, Cause.NODE, size_cap=cap)
     return None
+
+
+def _late(obs: Observation, rank: PodView) -> bool:
+    """The rank's sidecar missed its last heartbeat: silent for over two periods.
+
+    A trainer stalls when a peer's node dies (its collective waits or breaks), and the
+    trainers' silence, counted from their last step, can pass the timeout before the lost
+    rank's heartbeat does. So a hung trainer is judged only while every other rank answers
+    on time: a late one is either lost (HeartbeatLost, the node's) or answers within the
+    timeout, and then the hang is judged."""
+    silent = obs.beats.get(rank.node_rank)
+    return silent is not None and silent > 2 * obs.spec.detection.heartbeat_period_seconds
 
 
 def _silent_since_failure(

@@ -329,6 +329,31 @@ def test_a_trainer_silent_past_the_timeout_behind_a_live_sidecar_is_a_hung_rank(
     assert DeletePods(("a1-0", "a1-2")) in deletes
 
 
+@pytest.mark.parametrize(
+    ("rank2", "expected"),
+    [
+        pytest.param(2.5, None, id="a-peer-late-waits"),
+        pytest.param(3.5, "restart HeartbeatLost node", id="the-peer-lost-is-the-node"),
+        pytest.param(1.5, "restart RankHung crash", id="every-peer-on-time-is-a-hang"),
+    ],
+)
+def test_a_trainer_stalled_while_a_peer_is_late_waits_for_the_peers_verdict(
+    rank2: float, expected: str | None
+) -> None:
+    """When a node dies its peers' trainers stall (their collective waits or breaks), and
+    their silence, counted from their last step, can pass the timeout before the lost
+    rank's heartbeat does (its last beat may come after their last step): the node loss
+    would count as the job's crash. With rank 2 late (2.5 s, over two periods), rank 1's
+    stalled trainer decides nothing; rank 2 lost past the timeout is the node's; on time,
+    the hang is judged."""
+    beats: dict[int, float | None] = {0: 0.5, 1: 0.5, 2: rank2}
+    plan = decide(observe(RUNNING3, pods(3), nodes(3), 100.0, beats=beats, trainers={1: 3.4}))
+    if expected is None:
+        assert not any(isinstance(a, Restarted | DeletePods) for a in plan.actions), plan
+    else:
+        assert what(plan) == expected
+
+
 def test_the_recovery_budget_is_kept_when_the_next_attempt_runs() -> None:
     """Every rank of attempt 2 Running: the failure seen at 100 (HeartbeatLost), attempt 2
     started at 103, running at 110 stay in status.lastRecovery, and failureSeenAt goes."""
