@@ -277,6 +277,8 @@ def _create_past_webhook_lag(objects: _Objects, call: Call) -> None:
         except ApiException as exc:
             if not _webhook_lags(call, exc) or time.monotonic() >= deadline:
                 raise
+        log.info("%s/%s: Trainer's webhook has not seen its TrainingRuntime yet; sending it"
+                 " again", call.namespace, call.body["metadata"]["name"])  # fmt: skip
         time.sleep(WEBHOOK_RETRY_S)
 
 
