@@ -17,34 +17,27 @@ from .binaries import find_built
 
 
 @dataclass(frozen=True, slots=True)
-class JobSetBuild:
-    """What hack/cluster-binaries.sh puts in JobSet's cache directory."""
+class ManagerBuild:
+    """What hack/cluster-binaries.sh puts in a controller's cache directory: its manager,
+    and its whole install (its own manifests rendered: a release's manifests.yaml)."""
 
     binary: Path
     manifests: Path
-    """JobSet's whole install (config/default rendered: a release's manifests.yaml)."""
 
     @classmethod
-    def find(cls) -> JobSetBuild:
-        """From ``CTJ_JOBSET_BIN_DIR`` or the build script's ``--check``."""
-        binary, manifests = find_built("CTJ_JOBSET_BIN_DIR", "JobSet", "bin/jobset",
-                                       "manifests.yaml")  # fmt: skip
-        return cls(binary, manifests)
+    def find(cls, var: str, what: str, binary: str) -> ManagerBuild:
+        """From ``var`` (``<dir>/bin``) or the build script's ``--check``."""
+        found, manifests = find_built(var, what, f"bin/{binary}", "manifests.yaml")
+        return cls(found, manifests)
 
 
-@dataclass(frozen=True, slots=True)
-class TrainerBuild:
-    """What hack/cluster-binaries.sh puts in Kubeflow Trainer's cache directory."""
+def jobset_build() -> ManagerBuild:
+    """JobSet's (config/default: CRDs, manager, RBAC, webhooks)."""
+    return ManagerBuild.find("CTJ_JOBSET_BIN_DIR", "JobSet", "jobset")
 
-    binary: Path
-    manifests: Path
-    """The trainer's install (CRDs, manager, RBAC, webhooks; no runtimes, no JobSet)."""
 
-    @classmethod
-    def find(cls) -> TrainerBuild:
-        """From ``CTJ_KUBEFLOW_TRAINER_BIN_DIR`` or the build script's ``--check``."""
-        binary, manifests = find_built(
-            "CTJ_KUBEFLOW_TRAINER_BIN_DIR", "Kubeflow Trainer",
-            "bin/trainer-controller-manager", "manifests.yaml",
-        )  # fmt: skip
-        return cls(binary, manifests)
+def trainer_build() -> ManagerBuild:
+    """Kubeflow Trainer's (CRDs, manager, RBAC, webhooks; no runtimes, no JobSet)."""
+    return ManagerBuild.find(
+        "CTJ_KUBEFLOW_TRAINER_BIN_DIR", "Kubeflow Trainer", "trainer-controller-manager"
+    )

@@ -427,14 +427,14 @@ class Stack(Harness):
         ``control_plane``: both managers on the control-plane node (JobSet's pod webhooks,
         failurePolicy Fail, stand between a JobSet's pods and the API server). Again on a
         cluster that has them: a no-op apply and the same waits."""
-        from ctj_devcluster.trainer import JobSetBuild, TrainerBuild
+        from ctj_devcluster.trainer import jobset_build, trainer_build
 
         wanted = {"CTJ_JOBSET_IMAGE": self.images.jobset,
                   "CTJ_KUBEFLOW_TRAINER_IMAGE": self.images.kubeflow_trainer}  # fmt: skip
         for env, image in wanted.items():
             if not image:
                 raise ValueError(f"{env} is not set: build it with hack/containers/images.sh")
-        jobset, trainer = JobSetBuild.find(), TrainerBuild.find()
+        jobset, trainer = jobset_build(), trainer_build()
         self.log(f"JobSet: {jobset.manifests} ({self.images.jobset})")
         # nothing of config/default to drop (its CRD's cert-manager annotation is inert
         # without cert-manager; no ServiceMonitor, no APIService, no other image). One
