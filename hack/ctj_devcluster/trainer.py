@@ -12,8 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
 
 from .binaries import find_built
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,3 +47,15 @@ def trainer_build() -> ManagerBuild:
     return ManagerBuild.find(
         "CTJ_KUBEFLOW_TRAINER_BIN_DIR", "Kubeflow Trainer", "trainer-controller-manager"
     )
+
+
+def install_trainer_crds(cluster: Cluster) -> None:
+    """Only Trainer's CRDs (TrainJob, TrainingRuntime, ClusterTrainingRuntime), from its
+    rendered install: enough for the API server to serve them (RBAC checks resolve a
+    resource by discovery), with no manager running."""
+    objects = yaml.safe_load_all(trainer_build().manifests.read_text())
+    crds = [o for o in objects if o and o.get("kind") == "CustomResourceDefinition"]
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+                    input=yaml.safe_dump_all(crds))  # fmt: skip
+    for crd in crds:
+        cluster.wait_crd_established(crd["metadata"]["name"])

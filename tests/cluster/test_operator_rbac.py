@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 from ctj_devcluster import Cluster
+from ctj_devcluster.binaries import BinariesMissing
 from ctj_devcluster.kubeflow import install_crd as install_pytorchjob_crd
 from ctj_devcluster.kueue import install_crds as install_kueue_crds
+from ctj_devcluster.trainer import install_trainer_crds
 from ctj_stack.jobs import (
     FAST_TRAINING,
     NODE_AGENT,
@@ -115,6 +117,10 @@ def rbac(op_cluster: Cluster) -> Iterator[None]:
     # kubectl auth can-i resolves resources by discovery: the PyTorchJob API must exist
     install_pytorchjob_crd(op_cluster, kubeflow_build())
     install_kueue_crds(op_cluster, kueue_build())
+    try:
+        install_trainer_crds(op_cluster)
+    except BinariesMissing as exc:
+        pytest.skip(str(exc))
     op_cluster.kubectl("create", "namespace", "ctj-system")
     op_cluster.kubectl("apply", "-f", str(RBAC))
     yield
