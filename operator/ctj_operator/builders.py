@@ -647,11 +647,11 @@ def build_trainjob(
     index = {"fieldRef": {"fieldPath": f"metadata.annotations['{JOB_COMPLETION_INDEX}']"}}
     # RANK counts processes: the node rank only with one per pod (torchrun sets each
     # process's own where there are more)
-    by_index = [Env.NODE_RANK, "PET_NODE_RANK"] + (["RANK"] if spec.nproc_per_node == 1 else [])
     per_rank = (Env.NODE_RANK, "PET_NODE_RANK", "RANK")
     env: list[dict[str, Any]] = [
         {"name": k, "value": v} for k, v in place.environment().items() if k not in per_rank
     ]
+    by_index = per_rank if spec.nproc_per_node == 1 else per_rank[:2]
     env += [{"name": k, "valueFrom": index} for k in by_index]
     pod_spec = _trainer_pod_spec(spec, uri, env)
     pod_spec["containers"][0]["name"] = TRAINJOB_CONTAINER

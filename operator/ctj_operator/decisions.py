@@ -467,12 +467,11 @@ def attempt_over(obs: Observation, current: Sequence[PodView]) -> Ending | None:
                 f"heartbeat in the {waited:.0f}s since it was seen Running"
             )
             return Ending("HeartbeatLost", msg, Cause.NODE, (p.node_name or "",))
-    late = [q for q in ranked if q.beating and _late(obs, q)]
     for p in ranked:
         hung = obs.trainers.get(p.node_rank)
         if p.beating and hung is not None and hung > timeout:
-            if any(q is not p for q in late):  # a peer's node may be lost: wait for its verdict
-                return None
+            if any(q is not p and q.beating and _late(obs, q) for q in ranked):
+                return None  # a peer's node may be lost: wait for its verdict
             msg = (
                 f"the trainer of rank {p.node_rank} (pod {p.name}) has not run for {hung:.0f}s "
                 f"while its sidecar answers (failureDetection.heartbeatTimeoutSeconds="
