@@ -44,7 +44,7 @@ FROM base AS sidecar-deps
 # The checkpoint sidecar (python -m trainer_sidecar sidecar) and the CLI's store commands
 # (ctj checkpoints ls|show|gc|rm): the engine's dependencies without torch
 # (tests/unit/test_torch_free.py checks that they import none).
-ARG SIDECAR_PACKAGES="numpy boto3 blake3 zstandard tqdm prometheus-client kubernetes"
+ARG SIDECAR_PACKAGES="numpy boto3 blake3 zstandard tqdm prometheus-client kubernetes grpcio"
 COPY requirements/dev.txt /tmp/dev.txt
 RUN --mount=type=cache,target=/root/.cache/pip,id=ctj-pip set -eu; \
     for p in $SIDECAR_PACKAGES; do grep -E "^${p}(\[[^]]*\])?==" /tmp/dev.txt \

@@ -440,6 +440,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     agent_main.add_arguments(ag)
     ag.set_defaults(fn=agent_main.run)
+    mo = top.add_parser(
+        "agent-mounter",
+        help="the node agent's CSI endpoint: mounts a job's node cache read-only into its "
+        "pods (the DaemonSet's privileged container; trainer_sidecar/agent/csi.py)",
+    )
+    agent_main.add_mounter_arguments(mo)
+    mo.set_defaults(fn=agent_main.run_mounter)
     ck = top.add_parser("checkpoints", help="inspect and manage a job's checkpoints")
     sub = ck.add_subparsers(dest="action", required=True)
 

@@ -163,6 +163,9 @@ class CheckpointConfig:
     node_agent: str | None = None
     """host:port of the node agent that holds this node's cache (in a pod: the node's
     address and the agent's hostPort); used instead of ``cache_dir``, with the job below."""
+    node_cache_mount: str | None = None
+    """Where the job's directory of the node agent's cache is mounted read-only (the
+    agent's CSI volume, CTJ_NODE_CACHE_MOUNT): the node's chunks are read there."""
     job_namespace: str | None = None
     job_name: str | None = None
     job_uid: str | None = None
@@ -269,6 +272,7 @@ class CheckpointConfig:
             "cache_port": (Env.CACHE_PORT, int),
             "cache_token": (Env.CACHE_TOKEN, str),
             "node_agent": (Env.NODE_AGENT_HOST, str),
+            "node_cache_mount": (Env.NODE_CACHE_MOUNT, str),
             "job_namespace": (Env.JOB_NAMESPACE, str),
             "job_name": (Env.JOB_NAME, str),
             "job_uid": (Env.JOB_UID, str),

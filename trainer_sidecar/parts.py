@@ -56,7 +56,10 @@ class Parts:
         cache: NodeChunks | None = None
         if config.node_agent is not None:
             assert config.cache_token is not None  # the config checked it
-            cache = AgentCache(config.node_agent, job_path_of(config), token=config.cache_token)
+            cache = AgentCache(
+                config.node_agent, job_path_of(config), token=config.cache_token,
+                mount=config.node_cache_mount,
+            )  # fmt: skip
         elif config.cache_dir:
             cache = ChunkCache(config.cache_dir, config.cache_max_bytes)
         return cls(config, store, cache)

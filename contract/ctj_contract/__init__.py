@@ -93,6 +93,22 @@ NODE_AGENT_PORT = 9403
 ``node-cache``)."""
 
 
+NODE_CACHE_DRIVER = "node-cache.ctj.dev"
+"""The node agent's CSI driver (the chart's CSIDriver): an inline ``csi`` volume of this
+driver in a job's pod is its job's directory of the node cache, mounted read-only, so a
+restoring rank reads its own node's bytes from the page cache, not over a socket."""
+NODE_CACHE_MOUNT_PATH = "/var/run/ctj/node-cache"
+"""Where the operator mounts that volume in the trainer container (``Env.NODE_CACHE_MOUNT``)."""
+
+
+class NodeCacheVolume(enum.StrEnum):
+    """The volumeAttributes of that volume: which job's directory. The namespace is the
+    pod's own (the kubelet passes it), so a pod can mount only its namespace's jobs."""
+
+    JOB = "job"
+    UID = "uid"
+
+
 CACHE_TOKEN_KEY = "token"
 """The key of the job's Secret (``<job>-ctj-cache``) that holds ``Env.CACHE_TOKEN``."""
 

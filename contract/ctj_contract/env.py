@@ -50,6 +50,9 @@ class Env:
     NODE_AGENT_HOST = "CTJ_NODE_AGENT_HOST"
     """The node's address (the downward API's status.hostIP): the agent's hostPort is there."""
     NODE_AGENT_PORT = "CTJ_NODE_AGENT_PORT"
+    NODE_CACHE_MOUNT = "CTJ_NODE_CACHE_MOUNT"
+    """Where the job's directory of the node cache is mounted read-only (the agent's CSI
+    volume): the trainer reads its own node's chunks there; writes still go to the agent."""
     JOB_NAMESPACE = "CTJ_JOB_NAMESPACE"
     JOB_NAME = "CTJ_JOB_NAME"
     JOB_UID = "CTJ_JOB_UID"

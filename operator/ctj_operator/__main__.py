@@ -69,9 +69,9 @@ def _node_cache(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if port is None:
         return None
     try:
-        return NodeCache(int(port))
+        return NodeCache(int(port), driver=args.node_cache_driver or None)
     except (ValueError, SpecError) as exc:
-        parser.error(f"--node-agent-port: {exc}")
+        parser.error(f"--node-agent-port / --node-cache-driver: {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("CTJ_NODE_AGENT_PORT") or None,
         help="the node tier is installed: its node agents listen on every node's address at "
         "this port (the chart's DaemonSet, 9403); unset: no node cache (CTJ_NODE_AGENT_PORT)",
+    )
+    parser.add_argument(
+        "--node-cache-driver",
+        default=os.environ.get("CTJ_NODE_CACHE_DRIVER") or None,
+        help="the node agents' CSI driver (the chart's, node-cache.ctj.dev): each trainer "
+        "mounts its job's node cache read-only and reads its node's chunks there; unset: "
+        "over HTTP from the agent (CTJ_NODE_CACHE_DRIVER)",
     )
     parser.add_argument(
         "--node-cache-path",

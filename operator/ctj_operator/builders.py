@@ -25,9 +25,11 @@ from ctj_contract import (
     LABEL_RANK,
     LABEL_SPARE,
     LABEL_WORLD,
+    NODE_CACHE_MOUNT_PATH,
     VERSION,
     Assignment,
     Env,
+    NodeCacheVolume,
 )
 from ctj_contract.launch import LAUNCHER_MODULE
 
@@ -63,6 +65,7 @@ SIDECAR_SECURITY_CONTEXT = {
     "seccompProfile": {"type": "RuntimeDefault"},
 }
 SIDECAR_TMP_VOLUME = "ctj-sidecar-tmp"
+NODE_CACHE_VOLUME = "ctj-node-cache"
 SIDECAR_TMP_SIZE = "64Mi"  # for libraries that want a temp dir; staging has its own volume
 # what the Kubeflow controller labels its pods with (rank = 0 for the master, index + 1 else)
 KF_REPLICA_TYPE = "training.kubeflow.org/replica-type"
@@ -222,7 +225,10 @@ def _node_cache(
     own, from the downward API: the agent's hostPort is there), the job's identity (its
     path on the agents) and token, and ``peers`` (host:port of every rank's sidecar, this
     one's included: a process leaves out its own hostname), which tell a restoring rank
-    where their nodes' agents are. No hostPath, no root step: the agent owns the disk."""
+    where their nodes' agents are. No hostPath, no root step: the agent owns the disk.
+    Where the agents serve their CSI driver, the trainer also mounts the job's directory
+    of the node's cache read-only (an inline ``csi`` volume, which ``restricted`` allows)
+    and reads its node's chunks there, not over a socket."""
     cache = spec.checkpoint.node_cache
     if cache is None:
         return
@@ -244,6 +250,23 @@ def _node_cache(
     sidecar = pod_spec["initContainers"][-1]
     for container in (pod_spec["containers"][0], sidecar):
         _merge_env(container, env)
+    if cache.driver is not None:
+        trainer = pod_spec["containers"][0]
+        _merge_env(trainer, [{"name": Env.NODE_CACHE_MOUNT, "value": NODE_CACHE_MOUNT_PATH}])
+        trainer.setdefault("volumeMounts", []).append(
+            {"name": NODE_CACHE_VOLUME, "mountPath": NODE_CACHE_MOUNT_PATH, "readOnly": True}
+        )
+        pod_spec.setdefault("volumes", []).append({
+            "name": NODE_CACHE_VOLUME,
+            "csi": {
+                "driver": cache.driver,
+                "readOnly": True,
+                "volumeAttributes": {
+                    NodeCacheVolume.JOB.value: meta["name"],
+                    NodeCacheVolume.UID.value: meta["uid"],
+                },
+            },
+        })  # fmt: skip
     sidecar["env"].append({"name": Env.CACHE_PORT, "value": str(CACHE_PORT)})
     sidecar["ports"].append({"name": "peer-cache", "containerPort": CACHE_PORT})
 

@@ -33,6 +33,9 @@ class Backend(enum.StrEnum):
     TRAINJOB = "trainjob"  # Kubeflow Trainer v2: a TrainJob, run by JobSet
 
 
+_DRIVER = re.compile(r"(?=.{1,63}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class NodeCache:
     """The node tier is installed: a node agent (the chart's DaemonSet) on every node holds
@@ -41,10 +44,19 @@ class NodeCache:
     agent, no node cache); a job may turn it off with spec.checkpoint.nodeCache.enabled."""
 
     port: int = NODE_AGENT_PORT
+    driver: str | None = None
+    """The agents' CSI driver (the chart's CSIDriver, ``ctj_contract.NODE_CACHE_DRIVER``):
+    the trainer mounts its job's directory read-only and reads its node's chunks there.
+    None: every read goes to the agent over HTTP."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise SpecError(f"node agent port {self.port} is not a TCP port (1-65535)")
+        if self.driver is not None and not _DRIVER.fullmatch(self.driver):
+            raise SpecError(
+                f"node cache CSI driver {self.driver!r} is not a CSI driver name "
+                "(a DNS name of at most 63 characters, e.g. node-cache.ctj.dev)"
+            )
 
 
 def _backend(raw: object) -> Backend:

@@ -9,6 +9,7 @@ file the test controls: the Kubernetes one runs on kind (tests/e2e/test_node_age
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import shutil
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 from ctj_contract.tokens import job_token
 
+from tests.integration.node_mounter import Mounter, needs_root, short_tmp
 from tests.integration.ranks import run_ranks
 from trainer_sidecar.format.manifest import Manifest, manifest_key
 from trainer_sidecar.store.agent_client import AgentCache, job_path
@@ -121,9 +123,15 @@ def _share(s3_uri: str, rank: int) -> int:
     return sum(s for n, s in manifest.file_sizes().items() if n.startswith(f"__{rank}_"))
 
 
+@pytest.mark.parametrize("via", ["http", "mount"])
 def test_a_restore_reads_the_node_agent_then_the_peers_agents_then_s3(
-    s3_uri: str, tmp_path: Path, token: str, agents: list[Agent]
+    s3_uri: str, tmp_path: Path, token: str, agents: list[Agent], via: str
 ) -> None:
+    """``via`` "mount": each surviving rank reads its own node's chunks through its job's
+    directory mounted read-only by the node's mounter (the agent's CSI endpoint), and its
+    own agent's address is one nothing listens on: its local bytes came through the mount."""
+    if via == "mount":
+        needs_root()
     run_ranks(
         3, "tests.integration.workers:save_on_nodes",
         _args(s3_uri, tmp_path, token, agents, [0, 1, 2], None),
@@ -138,17 +146,21 @@ def test_a_restore_reads_the_node_agent_then_the_peers_agents_then_s3(
         serve_cache(None, token=token, host="127.0.0.1", node_agent=agents[n].address)
         for n in (0, 1)
     ]
-    try:
+    with contextlib.ExitStack() as stack:
+        for s in sidecars:
+            stack.callback(s.server_close)
+            stack.callback(s.shutdown)
         addresses = [f"127.0.0.1:{s.server_address[1]}" for s in sidecars]
         peers = [[addresses[1]], [addresses[0]]]
-        outputs = run_ranks(
-            2, "tests.integration.workers:load_on_nodes",
-            _args(s3_uri, tmp_path, token, agents, [0, 1], peers),
-        )  # fmt: skip
-    finally:
-        for s in sidecars:
-            s.shutdown()
-            s.server_close()
+        args = _args(s3_uri, tmp_path, token, agents, [0, 1], peers)
+        if via == "mount":
+            kubelets = stack.enter_context(short_tmp())
+            mounters = [Mounter(tmp_path / f"node-{n}", kubelets / f"k{n}") for n in (0, 1)]
+            for mounter in mounters:
+                stack.callback(mounter.stop)
+            args["mounts"] = [str(m.publish(*JOB)) for m in mounters]
+            args["agents"] = ["127.0.0.1:1", "127.0.0.1:1"]
+        outputs = run_ranks(2, "tests.integration.workers:load_on_nodes", args)
     assert "bitwise equal at world size 2" in outputs[0]
     tiers = [json.loads(Path(f"{tmp_path / 'tiers'}.{r}.json").read_text()) for r in range(2)]
     share = _share(s3_uri, 2)

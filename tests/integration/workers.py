@@ -326,6 +326,8 @@ def _node_config(args: dict[str, Any]) -> CheckpointConfig:
         ns, name, uid = args["job"]
         node = {"node_agent": args["agents"][rank], "job_namespace": ns, "job_name": name,
                 "job_uid": uid, "cache_token": args["token"]}  # fmt: skip
+        if args.get("mounts"):  # and its job's directory mounted (the agent's CSI volume)
+            node["node_cache_mount"] = args["mounts"][rank]
     else:
         node = {
             "cache_dir": args["caches"][rank],

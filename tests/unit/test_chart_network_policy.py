@@ -40,8 +40,9 @@ def pod_labels(objects: dict[tuple[str, str], Any], kind: str) -> dict[str, str]
 
 def port(objects: dict[tuple[str, str], Any], kind: str, name: str) -> int:
     (workload,) = [o for (k, _), o in objects.items() if k == kind]
-    (container,) = workload["spec"]["template"]["spec"]["containers"]
-    return int(next(p["containerPort"] for p in container["ports"] if p["name"] == name))
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    ports = [p for c in containers for p in c.get("ports") or []]  # the mounter has none
+    return int(next(p["containerPort"] for p in ports if p["name"] == name))
 
 
 def test_by_default_the_operator_takes_only_prometheus_on_its_metrics_port(helm: Helm) -> None:

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ctj_contract import Env, HeartbeatAsk, HeartbeatReply, LastCheckpoint
+from ctj_contract import (
+    NODE_CACHE_DRIVER,
+    NODE_CACHE_MOUNT_PATH,
+    Env,
+    HeartbeatAsk,
+    HeartbeatReply,
+    LastCheckpoint,
+)
 from ctj_operator import builders
 from ctj_operator.heartbeats import HeartbeatChannel, JobAsk, Rank
 from ctj_operator.observe import Freshness, pod_summary
@@ -19,6 +26,9 @@ from ctj_operator.spec import JobSpec, NodeCache
 from trainer_sidecar.config import CheckpointConfig
 from trainer_sidecar.format.manifest import Mode
 from trainer_sidecar.heartbeat import HeartbeatEndpoint, HeartbeatSettings, last_checkpoint_value
+from trainer_sidecar.parts import Parts
+from trainer_sidecar.store.agent_client import AgentCache
+from trainer_sidecar.store.memory import MemoryStore
 
 BODY = {"metadata": {"name": "demo", "namespace": "ml", "uid": "u-1"}}
 POD_IP = "10.1.2.3"
@@ -206,7 +216,9 @@ def test_every_environment_name_the_operator_writes_is_the_contract_s() -> None:
     seeded = dataclasses.replace(
         seeded, checkpoint=dataclasses.replace(seeded.checkpoint, resume_from="train")
     )
-    for spec in (job_spec(), job_spec(node_cache=False), seeded):
+    mounted = dataclasses.replace(seeded, checkpoint=dataclasses.replace(
+        seeded.checkpoint, node_cache=NodeCache(driver=NODE_CACHE_DRIVER)))  # fmt: skip
+    for spec in (job_spec(), job_spec(node_cache=False), seeded, mounted):
         pod = builders.build_pod(BODY, spec, uri="s3://b/p", attempt=1, world_size=2, node_rank=0)
         spare = builders.build_spare(BODY, spec, uri="s3://b/p", name="s", peers=["p0"])
         for container in (
@@ -217,3 +229,19 @@ def test_every_environment_name_the_operator_writes_is_the_contract_s() -> None:
     ours = {name for name in written if name.startswith(("CTJ_", "AWS_"))} | {"NODE_RANK"}
     assert ours <= contract
     assert contract - {Env.PRELOAD} <= written  # CTJ_PRELOAD: the user's, in the template
+
+
+def test_the_trainer_reads_its_node_cache_where_the_operator_mounts_it() -> None:
+    spec = JobSpec.parse(
+        {"replicas": 2, "checkpoint": {"uri": "s3://bucket/jobs"},
+         "template": {"spec": {"containers": [{"name": "trainer", "image": "t:1"}]}}},
+        node_cache=NodeCache(driver=NODE_CACHE_DRIVER),
+    )  # fmt: skip
+    pod = builders.build_pod(BODY, spec, uri="s3://b/p", attempt=1, world_size=2, node_rank=0)
+    trainer, sidecar = containers(pod)
+    config = CheckpointConfig.from_env(resolved_env(pod, trainer))
+    mounted = {m["mountPath"] for m in trainer["volumeMounts"] if m.get("readOnly")}
+    assert config.node_cache_mount == NODE_CACHE_MOUNT_PATH and NODE_CACHE_MOUNT_PATH in mounted
+    cache = Parts.open(config, store=MemoryStore()).cache
+    assert isinstance(cache, AgentCache) and str(cache.mount) == NODE_CACHE_MOUNT_PATH
+    assert CheckpointConfig.from_env(resolved_env(pod, sidecar)).node_cache_mount is None

@@ -391,3 +391,48 @@ def test_a_trainer_that_fails_leaves_its_last_log_lines_as_its_termination_messa
     spec = job_spec(template=template)
     mine = builders.build_pod(BODY, spec, uri=URI, attempt=1, world_size=3, node_rank=0)
     assert mine["spec"]["containers"][0]["terminationMessagePolicy"] == "File"
+
+
+def _pod_specs(spec: JobSpec) -> list[dict[str, Any]]:
+    """The pod specs of one attempt under the spec's backend."""
+    if spec.backend.value == "pytorchjob":
+        job = builders.build_pytorchjob(BODY, spec, uri=URI, attempt=1, world_size=3)
+        return [r["template"]["spec"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
+    if spec.backend.value == "trainjob":
+        runtime = builders.build_trainjob(BODY, spec, uri=URI, attempt=1, world_size=3)[0]
+        jobs = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+        return [j["template"]["spec"]["template"]["spec"] for j in jobs]
+    return [builders.build_pod(BODY, spec, uri=URI, attempt=1, world_size=3, node_rank=0)["spec"]]
+
+
+@pytest.mark.parametrize("backend", ["pods", "pytorchjob", "trainjob"])
+def test_with_the_agents_csi_driver_the_trainer_mounts_its_jobs_node_cache_read_only(
+    backend: str,
+) -> None:
+    driver = NodeCache(driver="node-cache.ctj.dev")
+    raw = {"replicas": 3, "backend": backend, "checkpoint": {"uri": "s3://bucket/jobs"},
+           "template": job_spec().template}  # fmt: skip
+    for spec in _pod_specs(JobSpec.parse(raw, node_cache=driver)):
+        volumes = [v for v in spec["volumes"] if v["name"] == builders.NODE_CACHE_VOLUME]
+        assert volumes == [{
+            "name": builders.NODE_CACHE_VOLUME,
+            "csi": {"driver": "node-cache.ctj.dev", "readOnly": True,
+                    "volumeAttributes": {"job": "demo", "uid": "u-1"}},
+        }]  # fmt: skip
+        trainer, sidecar = spec["containers"][0], spec["initContainers"][-1]
+        assert {"name": builders.NODE_CACHE_VOLUME, "mountPath": "/var/run/ctj/node-cache",
+                "readOnly": True} in trainer["volumeMounts"]  # fmt: skip
+        assert env_of(trainer)["CTJ_NODE_CACHE_MOUNT"] == "/var/run/ctj/node-cache"
+        # the sidecar writes through the agent and reads peers' agents: no mount
+        assert "CTJ_NODE_CACHE_MOUNT" not in env_of(sidecar)
+        assert builders.NODE_CACHE_VOLUME not in {m["name"] for m in sidecar["volumeMounts"]}
+    # without the driver (the operator's default): no volume, every read over HTTP
+    for spec in _pod_specs(JobSpec.parse(raw, node_cache=CACHE)):
+        assert builders.NODE_CACHE_VOLUME not in {v["name"] for v in spec.get("volumes", [])}
+        assert "CTJ_NODE_CACHE_MOUNT" not in env_of(spec["containers"][0])
+
+
+@pytest.mark.parametrize("driver", ["", "Node_Cache", "a" * 64, "-x.dev"])
+def test_a_bad_csi_driver_name_is_refused_naming_the_fix(driver: str) -> None:
+    with pytest.raises(SpecError, match="node-cache.ctj.dev"):
+        NodeCache(driver=driver)

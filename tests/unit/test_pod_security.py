@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from ctj_operator import builders
-from ctj_operator.spec import JobSpec
+from ctj_operator.spec import JobSpec, NodeCache
 
 from tests.unit.chart_helm import CHART, ROOT, Helm, helm
 from tests.unit.pod_security import violations, writable_root
@@ -196,10 +196,26 @@ NODE_AGENT_EXEMPT = {
     "container cache-owner: securityContext.runAsUser is 0",
     "container cache-owner: securityContext.capabilities.add has ['CHOWN']",
 }
+MOUNTER_EXEMPT = {
+    # the CSI endpoint (nodeCache.mount): mounts into the kubelet's pod directories
+    "pod: volume kubelet-pods is hostPath",
+    "pod: volume plugin-dir is hostPath",
+    "pod: volume registration-dir is hostPath",
+    "container mounter: securityContext.privileged is true",
+    "container mounter: securityContext.allowPrivilegeEscalation must be false",
+    "container mounter: securityContext.runAsNonRoot must be true (here or in the pod's)",
+    "container mounter: securityContext.runAsUser is 0",
+    "container mounter: securityContext.capabilities.drop must include ALL",
+}
 
 
 @pytest.mark.parametrize(
-    "sets", [(), ("operator.watchNamespaces={team-a}", "replicaCount=1", "nodeCache.enabled=false")]
+    "sets",
+    [
+        (),
+        ("nodeCache.mount.enabled=false",),
+        ("operator.watchNamespaces={team-a}", "replicaCount=1", "nodeCache.enabled=false"),
+    ],
 )
 def test_every_pod_the_chart_renders_is_restricted_with_a_read_only_root(
     helm: Helm, sets: tuple[str, ...]
@@ -208,14 +224,19 @@ def test_every_pod_the_chart_renders_is_restricted_with_a_read_only_root(
     only by what holding a node's disk takes (docs/security.md): the hostPath, the hostPort
     the job's pods reach it at (status.hostIP), and one init step that owns the directory
     (root with CAP_CHOWN alone: a kubelet makes a hostPath directory root's, and fsGroup
-    does not apply to hostPath). Every other rule holds for it too."""
+    does not apply to hostPath). With nodeCache.mount on (the default), its mounter
+    container too: privileged, as every CSI node plugin, with the kubelet's directories;
+    off, none of that is rendered. Every other rule holds for it too."""
     pods = chart_pods(helm, *sets)
     assert any(name.startswith("Deployment/") for name, _ in pods)
+    exempt = NODE_AGENT_EXEMPT
+    if "nodeCache.mount.enabled=false" not in sets:
+        exempt = exempt | MOUNTER_EXEMPT
     for name, template in pods:
         found = violations(template["spec"])
         labels = template.get("metadata", {}).get("labels") or {}
         if labels.get("app.kubernetes.io/component") == "node-agent":
-            found = [v for v in found if v not in NODE_AGENT_EXEMPT]
+            found = [v for v in found if v not in exempt]
         assert found == [], name
         assert writable_root(template["spec"]) == [], name
 
@@ -228,4 +249,16 @@ def test_the_example_job_runs_in_a_restricted_namespace(backend: str, manifest: 
     example = yaml.safe_load((ROOT / "examples" / manifest).read_text())
     spec = JobSpec.parse({**example["spec"], "backend": backend})
     for pod_spec in pod_specs(spec):
+        assert violations(pod_spec) == []
+
+
+@pytest.mark.parametrize("backend", ["pods", "pytorchjob"])
+def test_the_node_caches_csi_volume_keeps_a_restricted_pod_restricted(backend: str) -> None:
+    """The trainer's read-only mount of its job's node cache is an inline csi volume, a
+    type `restricted` allows (a hostPath is not)."""
+    raw = {"replicas": 3, "backend": backend, "checkpoint": {"uri": "s3://bucket/jobs"},
+           "template": {"spec": copy.deepcopy(RESTRICTED_TRAINER)}}  # fmt: skip
+    spec = JobSpec.parse(raw, node_cache=NodeCache(driver="node-cache.ctj.dev"))
+    for pod_spec in pod_specs(spec):
+        assert any("csi" in v for v in pod_spec["volumes"])
         assert violations(pod_spec) == []

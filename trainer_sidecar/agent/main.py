@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import threading
+from pathlib import Path
 
 from ctj_contract.tokens import read_key
 
@@ -111,4 +112,54 @@ def run(args: argparse.Namespace) -> int:
         collector.stop()
     server.shutdown()
     server.server_close()
+    return 0
+
+
+def add_mounter_arguments(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument(
+        "--root",
+        default=env("CTJ_AGENT_ROOT", "/var/lib/ctj/cache"),
+        help="the agent's cache directory, as this container sees it (CTJ_AGENT_ROOT)",
+    )
+    parser.add_argument(
+        "--kubelet-dir",
+        default=env("CTJ_AGENT_KUBELET_DIR", "/var/lib/kubelet"),
+        help="the kubelet's root directory, mounted at the same path (CTJ_AGENT_KUBELET_DIR)",
+    )
+    parser.add_argument(
+        "--node-id",
+        default=env("CTJ_AGENT_NODE_NAME", ""),
+        help="this node's name (CTJ_AGENT_NODE_NAME: the downward API's spec.nodeName)",
+    )
+    parser.add_argument(
+        "--owner",
+        default=env("CTJ_AGENT_OWNER", "65532:65532"),
+        help="uid:gid of the agent's server, which writes the directories made here",
+    )
+
+
+def run_mounter(args: argparse.Namespace) -> int:
+    from .csi import NodeCacheDriver, serve  # needs grpcio, which the server does not
+
+    try:
+        uid, gid = (int(part) for part in args.owner.split(":"))
+    except ValueError:
+        log.error("--owner %r: use uid:gid, e.g. 65532:65532", args.owner)
+        return 2
+    if not args.node_id:
+        log.error("no node name: set --node-id or CTJ_AGENT_NODE_NAME (spec.nodeName)")
+        return 2
+    driver = NodeCacheDriver(
+        root=Path(args.root), kubelet_dir=Path(args.kubelet_dir), node_id=args.node_id,
+        owner=(uid, gid),
+    )  # fmt: skip
+    servers = serve(driver)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("stopping")
+    for server in reversed(servers):
+        server.stop(grace=5).wait()
     return 0

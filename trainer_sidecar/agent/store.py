@@ -204,11 +204,7 @@ class NodeStore:
                     tmp.unlink()
 
     def _job_dir(self, job: JobKey) -> Path:
-        path = self.dir(job)
-        if not path.is_dir():
-            path.mkdir(parents=True, exist_ok=True)
-            (path / CREATED).touch()
-        return path
+        return make_job_dir(self.root, job)
 
     def _reserve(self, size: int) -> bool:
         with self._lock:
@@ -249,6 +245,17 @@ class NodeStore:
             with contextlib.suppress(OSError):
                 parent.rmdir()  # only when empty: another uid or job may live there
         return freed
+
+
+def make_job_dir(root: Path, job: JobKey) -> Path:
+    """The job's directory, made (with its ``.created`` marker) if it is not there: by the
+    agent's first write for the job, or by the CSI endpoint mounting it into a pod of the
+    job (agent/csi.py); either happens only after the job exists (gc.py's race guard)."""
+    path = root / job.relative
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True)
+        (path / CREATED).touch()
+    return path
 
 
 def _scandir(path: Path) -> list[os.DirEntry[str]]:

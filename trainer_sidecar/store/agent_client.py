@@ -13,7 +13,11 @@ one job and authenticated with its token:
     PUT    <job>/chunks/<id>  the raw bytes    -> 204 (held from now on)
     DELETE <job>/chunks/<id>                   -> 204 (its bytes failed a check)
 
-where ``<job>`` is ``/v1/jobs/<namespace>/<name>/<uid>`` (``job_path``). The agent
+where ``<job>`` is ``/v1/jobs/<namespace>/<name>/<uid>`` (``job_path``). Where the pod
+mounts its job's directory of the agent's cache (``mount``: the agent's CSI volume,
+read-only), what is held and its bytes are read there instead, with ``pread`` from the
+page cache (no socket: docs/node-agent.md, "The mount"); writes still go to the agent,
+which owns the directory and its bound. The agent
 recomputes the job's token from that path (ctj_contract.tokens) and answers 401 to any
 other. Every request has the peer client's wall-clock deadline (store/peer_limits.py);
 the cache is an optimisation, so a failed request is a miss, and after one the agent is
@@ -27,10 +31,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 from .chunk_cache import valid_chunk_id
 from .peer_limits import MAX_HAS_IDS, PeerClientLimits
@@ -69,11 +76,19 @@ class AgentCache:
     """The node agent's cache of one job (``chunk_cache.NodeChunks``), thread-safe."""
 
     def __init__(
-        self, agent: str, path: str, *, token: str, limits: PeerClientLimits | None = None
+        self,
+        agent: str,
+        path: str,
+        *,
+        token: str,
+        limits: PeerClientLimits | None = None,
+        mount: str | os.PathLike[str] | None = None,
     ) -> None:
-        """``agent``: host:port of the node's agent; ``path``: ``job_path(...)``."""
+        """``agent``: host:port of the node's agent; ``path``: ``job_path(...)``;
+        ``mount``: where the job's directory of the agent's cache is mounted, if it is."""
         split_address(agent)
         self.agent, self.path = agent, path
+        self.mount = Path(mount) if mount else None
         self.limits = PeerClientLimits.from_env() if limits is None else limits
         self._http = Requester(token, self.limits)
         self._paused_until = 0.0
@@ -83,11 +98,17 @@ class AgentCache:
     # -- NodeChunks --------------------------------------------------------------------
 
     def held(self, chunk_ids: Iterable[str]) -> set[str]:
+        if self.mount is not None:
+            return {c for c in chunk_ids if self._local_size(c) is not None}
         return self._ids("/has", chunk_ids)
 
     def read(self, chunk_id: str, start: int, end: int) -> bytes | None:
         if not valid_chunk_id(chunk_id) or not 0 <= start < end:
             return None
+        if self.mount is not None:
+            data = self._read_local(chunk_id, start, end)
+            if data is not None:
+                return data  # else ask the agent: a mount of a directory made anew since
         answer = self._call(
             "GET", f"/chunks/{chunk_id}", {"Range": f"bytes={start}-{end - 1}"},
             max_body=end - start,
@@ -111,6 +132,34 @@ class AgentCache:
             "PUT", f"/chunks/{chunk_id}", body=data, max_body=0,
             content_type="application/octet-stream",
         )  # fmt: skip
+
+    # -- the mount ---------------------------------------------------------------------
+
+    def _local(self, chunk_id: str) -> Path:
+        assert self.mount is not None
+        return self.mount / chunk_id[:2] / chunk_id  # the agent's layout (agent/store.py)
+
+    def _local_size(self, chunk_id: str) -> int | None:
+        if not valid_chunk_id(chunk_id):
+            return None
+        try:
+            st = self._local(chunk_id).stat()
+        except OSError:
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def _read_local(self, chunk_id: str, start: int, end: int) -> bytes | None:
+        try:
+            fd = os.open(self._local(chunk_id), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            data = os.pread(fd, end - start, start)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return data if len(data) == end - start else None
 
     # -- requests ----------------------------------------------------------------------
 
