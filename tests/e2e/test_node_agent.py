@@ -8,11 +8,12 @@ pod: the only pod with the hostPath), so this runs on any cluster, not only kind
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 import pytest
-from ctj_contract import LABEL_JOB
+from ctj_contract import LABEL_JOB, NODE_CACHE_MOUNT_PATH
 from ctj_operator.builders import SIDECAR_NAME
 from ctj_stack import Stack
 from ctj_stack.scenario import TRAINING
@@ -21,6 +22,18 @@ JOB = "agentgc"
 WORLD = 2
 BOUND_S = 30.0
 AGENT_SELECTOR = "app.kubernetes.io/component=node-agent"
+MOUNT_PROBE = f"""
+import errno, json, os
+path = {NODE_CACHE_MOUNT_PATH!r}
+options = [l.split()[5] for l in open("/proc/self/mountinfo") if l.split()[4] == path]
+chunks = sum(len(files) for _, _, files in os.walk(path))
+try:
+    open(os.path.join(path, "planted"), "wb").close()
+    write = "written"
+except OSError as exc:
+    write = errno.errorcode.get(exc.errno, str(exc.errno))
+print(json.dumps({{"options": options[0] if options else "", "chunks": chunks, "write": write}}))
+"""
 
 
 def agent_pods(stack: Stack, operator_namespace: str) -> list[str]:
@@ -97,6 +110,15 @@ def test_a_deleted_jobs_cache_is_gone_from_every_node_within_the_bound(
     stack.wait(lambda: len(held()) >= WORLD, f"each of {WORLD} nodes' agents to hold {JOB}'s "
                "chunks", 60, lambda: f"{held()}\n{sidecar_logs(stack, job_namespace)}")  # fmt: skip
     assert all(dirs == [uid] for dirs in held().values()), (uid, held())
+    # each trainer sees its node's share of the job through its read-only csi volume
+    # (the chart's nodeCache.mount): what a restore there reads with pread
+    for pod in stack.kubectl("get", "pods", "-n", job_namespace, "-l", f"{LABEL_JOB}={JOB}",
+                             "-o", "jsonpath={.items[*].metadata.name}").split():  # fmt: skip
+        seen = json.loads(stack.kubectl(
+            "exec", "-n", job_namespace, pod, "-c", "trainer", "--", "python", "-c", MOUNT_PROBE,
+        ))  # fmt: skip
+        assert seen["options"] and "ro" in seen["options"].split(","), (pod, seen)
+        assert seen["chunks"] > 0 and seen["write"] == "EROFS", (pod, seen)
 
     stack.delete_job(job_namespace, JOB)
     stack.wait(lambda: not stack.children(job_namespace, JOB), f"every child of {JOB} to go", 180)
