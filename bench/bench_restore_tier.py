@@ -20,10 +20,14 @@ is checked against per-tensor checksums taken at save time.
     python bench/bench_restore_tier.py --s3 seaweedfs --json /tmp/tier.json   # 768 MiB
     python bench/bench_restore_tier.py --quick                                # smoke run
 
-By default the node tier is measured both ways in one run, interleaved: through a node
-agent per node (as on a cluster) and each rank reading its node's directory (the tier
-before the agent); ``--via agent`` or ``--via dir`` runs one. ``*_agent_vs_dir`` ratios
-are what the agent's extra hop costs.
+By default the node tier is measured three ways in one run, interleaved: through a node
+agent per node with each rank reading its own node's chunks from its job's directory
+mounted read-only ("mount": the chart's default, the agent's CSI volume; writes and the
+peers' reads still go through the agents), through the agents alone over HTTP ("agent":
+nodeCache.mount off), and each rank reading its node's directory itself, a peer server
+per node ("dir": the tier before the agent). ``--via mount,dir`` runs some of them.
+``*_<via>_vs_dir`` ratios are what each costs against the directory. Here the mount is
+the directory itself: a bind mount reads the same inodes through the same page cache.
 
 Ratios: tiered time / S3-only time (goal <= 0.3), and the bytes a tiered
 restore read from S3 / the lost node's share (goal <= 1).
@@ -65,6 +69,8 @@ def _config(args: dict[str, Any], *, tiered: bool) -> Any:
         ns, name, uid = JOB
         node = {"node_agent": args["agents"][rank], "job_namespace": ns, "job_name": name,
                 "job_uid": uid, "cache_token": args["token"]}  # fmt: skip
+        if args.get("mounts"):  # and the job's directory of it, mounted (the CSI volume)
+            node["node_cache_mount"] = args["mounts"][rank]
         if args["peers"][rank]:
             node.update(cache_peers=tuple(args["peers"][rank]))
     elif tiered:
@@ -117,8 +123,9 @@ class Nodes:
     """Node cache directories, snapshots of them, and what serves them: with ``via`` "agent"
     a node agent per node (trainer_sidecar/agent/, as on a cluster: the ranks reach their
     node's agent over HTTP, and the survivors' sidecars name their agents to a restoring
-    rank), with "dir" each rank reads its node's directory itself and a peer server per
-    node serves it (the tier before the node agent)."""
+    rank), "mount" the same with each rank reading its own node's chunks from the job's
+    directory (the agent's CSI volume), with "dir" each rank reads its node's directory
+    itself and a peer server per node serves it (the tier before the node agent)."""
 
     root: Path
     via: str = "agent"
@@ -158,7 +165,7 @@ class Nodes:
         from trainer_sidecar.agent.server import serve_agent
         from trainer_sidecar.agent.store import NodeStore
 
-        if self.via != "agent":
+        if not self.agented:
             return
         self.stop_agents()
         for n in range(SAVE_WORLD + 1):
@@ -172,6 +179,10 @@ class Nodes:
             server.server_close()
         self.agents = {}
 
+    @property
+    def agented(self) -> bool:
+        return self.via in ("agent", "mount")
+
     def agent(self, n: int) -> str:
         return f"127.0.0.1:{self.agents[n].server_address[1]}"
 
@@ -183,7 +194,7 @@ class Nodes:
 
         self.stop()
         for n in nodes:
-            if self.via == "agent":
+            if self.agented:
                 self.servers[n] = serve_cache(
                     None, token=self.token, host="127.0.0.1", node_agent=self.agent(n)
                 )  # the agent's address is stable: the agents restart on the same object
@@ -202,11 +213,13 @@ class Nodes:
 
     def placement(self, nodes: list[int]) -> dict[str, Any]:
         """Rank r on nodes[r]: its cache, and the peers among the other nodes that are up."""
-        if self.via == "agent":
+        if self.agented:
             self.serve(sorted(self.servers) or [])  # the agents moved: say where they are now
         return {
             "caches": [str(self.dir(n)) for n in nodes],
-            "agents": [self.agent(n) for n in nodes] if self.via == "agent" else None,
+            "agents": [self.agent(n) for n in nodes] if self.agented else None,
+            "mounts": [str(self.dir(n).joinpath(*JOB)) for n in nodes]
+            if self.via == "mount" else None,
             "peers": [
                 [self.address(p) for p in nodes if p != n and p in self.servers] for n in nodes
             ],  # fmt: skip
@@ -223,22 +236,23 @@ class Nodes:
 
         self.serve(list(range(SAVE_WORLD)))
         copied = 0
-        path = job_path(*JOB) if self.via == "agent" else None
+        path = job_path(*JOB) if self.agented else None
         for n in range(SAVE_WORLD):
             others = [self.address(p) for p in range(SAVE_WORLD) if p != n]
             peers = PeerCaches(others, token=self.token, job_path=path)
             cache: NodeChunks = (
                 AgentCache(self.agent(n), job_path(*JOB), token=self.token)
-                if self.via == "agent"
+                if self.agented
                 else ChunkCache(self.dir(n), 64 << 30)
             )
             copied += replicate(manifest, cache, peers, own=n, pods=SAVE_WORLD)
         return copied
 
 
-VIAS = ("agent", "dir")
-"""The node tier through a node agent per node (as on a cluster), or each rank reading its
-node's directory itself (the tier before the agent)."""
+VIAS = ("mount", "agent", "dir")
+"""The node tier through a node agent per node with the job's directory mounted (as on a
+cluster with the chart's defaults), through the agents over HTTP alone, or each rank
+reading its node's directory itself (the tier before the agent)."""
 
 VARIANTS = {  # name: (tiered, the cache snapshot, the nodes the restoring ranks run on)
     "s3_only_w3": (False, "saved", [0, 1, SAVE_WORLD]),
@@ -268,7 +282,7 @@ def lost_share(manifest: Any) -> int:
 def run(opts: argparse.Namespace) -> dict[str, Any]:
     shape = bc.StateShape.for_total(opts.total_mib * MIB, opts.tensors)
     root = Path(tempfile.mkdtemp(prefix="ctj-bench-tier-"))
-    vias = VIAS if opts.via == "both" else (opts.via,)
+    vias: tuple[str, ...] = opts.via
     tiers = {via: Nodes(root / via, via=via) for via in vias}
     runs: dict[str, list[dict[str, Any]]] = {}
     replicated: dict[str, int] = {}
@@ -328,13 +342,16 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                "met": value <= (0.3 if "time" in name else 1.0)}
         for name, value in ratios.items()
     }  # fmt: skip
-    if len(vias) > 1:  # what the hop costs: the agent's time over the directory's, same run
+    if "dir" in vias and len(vias) > 1:  # what each way costs against the directory's
         for tier in ("node_cache", "replicated"):
             for w in ("w3", "w2"):
-                agent, direct = (summary[_name(f"{tier}_{w}", v, vias)] for v in VIAS)
-                ratios[f"{tier}_{w}_time_ratio_agent_vs_dir"] = (
-                    agent["seconds_median"] / direct["seconds_median"]
-                )
+                direct = summary[_name(f"{tier}_{w}", "dir", vias)]
+                for via in vias:
+                    if via != "dir":
+                        ours = summary[_name(f"{tier}_{w}", via, vias)]
+                        ratios[f"{tier}_{w}_time_ratio_{via}_vs_dir"] = (
+                            ours["seconds_median"] / direct["seconds_median"]
+                        )
     return {
         "command": " ".join(["python", "bench/bench_restore_tier.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -344,7 +361,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             "lost_node": LOST,
             "repeats": opts.repeats,
             "quick": opts.quick,
-            "via": opts.via,
+            "via": list(vias),
         },  # fmt: skip
         "server": server,
         "machine": bc.machine(),
@@ -410,16 +427,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tensors", type=int, default=12, help="tensors in the state")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of every variant")
     parser.add_argument(
-        "--via", choices=(*VIAS, "both"), default="both",
-        help="the node tier through a node agent per node (as on a cluster), each rank "
-        "reading its node's directory itself (the tier before the agent), or both side by "
-        "side, interleaved, with the agent's time over the directory's (default)",
+        "--via", type=_vias, default=VIAS,
+        help="comma-separated, side by side and interleaved (default: mount,agent,dir): "
+        "the node tier through a node agent per node with each rank reading its own node's "
+        "chunks from the job's mounted directory (the chart's default), through the agents "
+        "over HTTP alone, or each rank reading its node's directory itself (the tier "
+        "before the agent), with each one's time over the directory's",
     )  # fmt: skip
     bc.add_s3_arguments(parser)
     opts = parser.parse_args(argv)
     if opts.quick:
         opts.total_mib, opts.repeats = 24, 1
     return opts
+
+
+def _vias(raw: str) -> tuple[str, ...]:
+    vias = tuple(dict.fromkeys(v.strip() for v in raw.split(",") if v.strip()))
+    unknown = [v for v in vias if v not in VIAS]
+    if not vias or unknown:
+        raise argparse.ArgumentTypeError(f"{raw!r}: use some of {','.join(VIAS)}")
+    return vias
 
 
 def main(argv: list[str] | None = None) -> int:

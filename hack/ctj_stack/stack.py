@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from ctj_contract import NODE_CACHE_DRIVER
 from ctj_devcluster.binaries import built_dirs
 from ctj_devcluster.cluster import wait_crd_established
 from kubernetes import client, config
@@ -264,6 +265,25 @@ class Stack(Harness):
             "--set", f"sidecarImage.tag={sidecar_tag}",
             *placement, "--wait", "--timeout", "5m",
         )  # fmt: skip
+
+    def uninstall_operator(
+        self, namespace: str = OPERATOR_NAMESPACE, release: str = "ctj", timeout: float = 240
+    ) -> None:
+        """``helm uninstall``, as docs/deploy.md says to: first every pod that mounts a
+        job's node cache (the agents' CSI volume) gone, since a pod's teardown needs its
+        node's mounter to unmount it; the chart's agents would otherwise go first and leave
+        such pods Terminating until a mounter is back."""
+
+        def mounting() -> list[str]:
+            return [
+                f"{p.metadata.namespace}/{p.metadata.name}"
+                for p in self.core.list_pod_for_all_namespaces().items
+                if any(v.csi and v.csi.driver == NODE_CACHE_DRIVER for v in p.spec.volumes or [])
+            ]
+
+        self.wait(lambda: not mounting(), "every pod with a node cache volume gone", timeout,
+                  lambda: ", ".join(mounting()))  # fmt: skip
+        self.helm("uninstall", release, "-n", namespace, "--wait")
 
     def install_s3(self, credentials: S3Credentials) -> None:
         """deploy/seaweedfs with our image and a Secret of the given keys; waits until the

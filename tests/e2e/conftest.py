@@ -129,7 +129,7 @@ def operator_installed(stack: Stack, kubeflow: str, trainer: str) -> Iterator[st
     namespace = OPERATOR_NAMESPACE
     stack.install_operator(namespace, control_plane=bool(stack.control_plane_nodes()))
     yield namespace
-    stack.helm("uninstall", "ctj", "-n", namespace, "--wait")
+    stack.uninstall_operator(namespace)
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,8 @@ AGENT_SELECTOR = "app.kubernetes.io/component=node-agent"
 MOUNT_PROBE = f"""
 import errno, json, os
 path = {NODE_CACHE_MOUNT_PATH!r}
-options = [l.split()[5] for l in open("/proc/self/mountinfo") if l.split()[4] == path]
+real = os.path.realpath(path)  # /var/run is often a link to /run
+options = [l.split()[5] for l in open("/proc/self/mountinfo") if l.split()[4] == real]
 chunks = sum(len(files) for _, _, files in os.walk(path))
 try:
     open(os.path.join(path, "planted"), "wb").close()
