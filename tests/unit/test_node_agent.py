@@ -218,3 +218,19 @@ def test_the_agent_imports_neither_torch_nor_kopf() -> None:
         capture_output=True, text=True, check=True, env=dict(os.environ),
     )  # fmt: skip
     assert json.loads(out.stdout) == []
+
+
+def test_the_mount_table_is_read_with_its_escapes(tmp_path: Path) -> None:
+    """A bind mount from the same filesystem keeps its parent's device, so the mounter
+    reads mountinfo; its fifth field writes a space as \\040."""
+    from trainer_sidecar.agent.csi import mount_points
+
+    table = tmp_path / "mountinfo"
+    table.write_text(
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        "90 22 8:1 /cache/ml/demo/u /var/lib/kubelet/pods/p/volumes/kubernetes.io~csi/v\\040x/mount"
+        " ro,nosuid,nodev,noexec shared:1 - ext4 /dev/sda1 rw\n"
+    )
+    assert mount_points(str(table)) == {
+        "/", "/var/lib/kubelet/pods/p/volumes/kubernetes.io~csi/v x/mount"
+    }
