@@ -234,3 +234,23 @@ def test_the_mount_table_is_read_with_its_escapes(tmp_path: Path) -> None:
     assert mount_points(str(table)) == {
         "/", "/var/lib/kubelet/pods/p/volumes/kubernetes.io~csi/v x/mount"
     }
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--owner", "nobody", "--node-id", "n1"], "--owner 'nobody': use uid:gid"),
+        (["--owner", "1:1", "--node-id", ""], "no node name: set --node-id"),
+    ],
+)
+def test_the_mounter_refuses_bad_settings_naming_the_fix(
+    args: list[str], said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import argparse
+
+    from trainer_sidecar.agent.main import add_mounter_arguments, run_mounter
+
+    parser = argparse.ArgumentParser()
+    add_mounter_arguments(parser)
+    assert run_mounter(parser.parse_args(args)) == 2
+    assert said in caplog.text
