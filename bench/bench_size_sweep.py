@@ -7,7 +7,7 @@ each with a fresh S3 server of its own:
 * ``bench_checkpoint.py --no-s3torchconnector``: the stall (``save`` returning, the state
   staged), the full save to a commit, and loads at 2 -> 2, 2 -> 1 and 2 -> 3, each beside
   its raw boto3 anchor (one multipart upload per rank; GETs of the same bytes, dropped);
-* ``bench_restore_tier.py --via agent``: the restore after a node loss (3 -> 2) from the
+* ``bench_restore_tier.py --via mount``: the restore after a node loss (3 -> 2) from the
   node tier with replication, beside the S3-only restore.
 
 It prints seconds per GiB for every phase at every size, for ours and for the anchor (and
@@ -49,7 +49,7 @@ CHECKPOINT_PHASES: dict[str, tuple[tuple[str, str], tuple[str, str] | None]] = {
     "load_2to3": (("load_ours_w3", "seconds"), ("load_boto3_w3", "seconds")),
 }
 # the node tier's restore 3 -> 2 with replication, and the S3-only restore beside it
-TIER_PHASE = ("node_tier_restore_3to2", "replicated_w2", "s3_only_w2")  # --via agent: unsuffixed
+TIER_PHASE = ("node_tier_restore_3to2", "replicated_w2", "s3_only_w2")  # one --via: unsuffixed
 PHASES = [*CHECKPOINT_PHASES, TIER_PHASE[0]]
 
 
@@ -148,7 +148,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         tier: dict[str, Any] | None = None
         try:
             tier = run_bench("bench_restore_tier.py",
-                             [*s3, *size, "--via", "agent", "--repeats", str(opts.repeats)],
+                             [*s3, *size, "--via", "mount", "--repeats", str(opts.repeats)],
                              log_path)  # fmt: skip
         except RuntimeError as exc:  # the other phases stand (a full disk, say)
             bc.log(f"{mib} MiB: the node-tier restore failed: {str(exc).splitlines()[0]}")
