@@ -144,16 +144,22 @@ class Pod:
         return self.log.read_text().count("ignoring assignment")
 
     def close(self) -> None:
-        """Kill the launcher, then every worker still running (by its group, where its
-        command line says it is ours: a pid is checked before it is signalled)."""
+        """Kill the launcher, then every worker still running and every standby (by its
+        group, where its command line or its environment names this pod's directory: a
+        pid is checked before it is signalled). A worker a standby became has the
+        standby's command line, and both run in sessions of their own, so killing the
+        launcher alone would leave them running."""
+        pids = {report["pid"] for report in self.reports()}
         if self.proc is not None and self.proc.poll() is None:
+            pids |= set(children(self.proc.pid))  # its workers and standbys, before it goes
             self.proc.kill()
             self.proc.wait()
-        for report in self.reports():
+        ours = str(self.staging).encode()
+        for pid in pids:
             with contextlib.suppress(OSError):
-                cmdline = Path(f"/proc/{report['pid']}/cmdline").read_bytes()
-                if str(self.reports_dir).encode() in cmdline:
-                    os.killpg(report["pid"], signal.SIGKILL)
+                proc = Path(f"/proc/{pid}")
+                if ours in (proc / "cmdline").read_bytes() + (proc / "environ").read_bytes():
+                    os.killpg(pid, signal.SIGKILL)
 
 
 @pytest.fixture
