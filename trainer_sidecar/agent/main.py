@@ -37,13 +37,17 @@ def parse_bytes(value: str) -> int:
     return int(match[1]) * _FACTOR[match[2]]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    env = os.environ.get
+def _add_root(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--root",
-        default=env("CTJ_AGENT_ROOT", "/var/lib/ctj/cache"),
-        help="the cache's directory on the node (CTJ_AGENT_ROOT)",
+        default=os.environ.get("CTJ_AGENT_ROOT", "/var/lib/ctj/cache"),
+        help="the cache's directory on the node, as this container sees it (CTJ_AGENT_ROOT)",
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    _add_root(parser)
     parser.add_argument(
         "--max-bytes",
         default=env("CTJ_AGENT_MAX_BYTES", "20Gi"),
@@ -117,11 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_mounter_arguments(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
-    parser.add_argument(
-        "--root",
-        default=env("CTJ_AGENT_ROOT", "/var/lib/ctj/cache"),
-        help="the agent's cache directory, as this container sees it (CTJ_AGENT_ROOT)",
-    )
+    _add_root(parser)
     parser.add_argument(
         "--kubelet-dir",
         default=env("CTJ_AGENT_KUBELET_DIR", "/var/lib/kubelet"),
