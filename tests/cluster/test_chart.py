@@ -45,6 +45,7 @@ def test_defaults_render_the_operator_and_no_service_monitor(helm: Helm) -> None
     objects = render(helm)
     kinds = sorted(k for k, _ in objects)
     assert kinds == [
+        "CSIDriver",  # the node agents' (nodeCache.mount): a job's node cache, mounted
         "ClusterRole",  # the operator's, where jobs run
         "ClusterRole",  # users': aggregated into edit/admin
         "ClusterRole",  # the node agents': list jobs (to drop a deleted job's cache)
@@ -105,6 +106,10 @@ def test_defaults_render_the_operator_and_no_service_monitor(helm: Helm) -> None
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["CTJ_SIDECAR_IMAGE"] == "ghcr.io/ctj/sidecar:0.1.0"
     assert env["CTJ_JOB_KEY_FILE"] == "/etc/ctj/key/key"  # the cluster key, from its Secret
+    assert env["CTJ_NODE_CACHE_DRIVER"] == "node-cache.ctj.dev"  # trainers mount their cache
+    driver = the(objects, "CSIDriver")["spec"]
+    assert driver == {"attachRequired": False, "podInfoOnMount": True,
+                      "volumeLifecycleModes": ["Ephemeral"], "fsGroupPolicy": "None"}  # fmt: skip
     service = the(objects, "Service")
     assert service["spec"]["ports"] == [
         {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}
