@@ -393,8 +393,9 @@ def test_a_trainer_that_fails_leaves_its_last_log_lines_as_its_termination_messa
     assert mine["spec"]["containers"][0]["terminationMessagePolicy"] == "File"
 
 
-def _pod_specs(spec: JobSpec) -> list[dict[str, Any]]:
-    """The pod specs of one attempt under the spec's backend."""
+def pod_specs(spec: JobSpec) -> list[dict[str, Any]]:
+    """Every pod spec the operator would create or hand a controller for one attempt of
+    ``spec`` at world size 3, under its backend."""
     if spec.backend.value == "pytorchjob":
         job = builders.build_pytorchjob(BODY, spec, uri=URI, attempt=1, world_size=3)
         return [r["template"]["spec"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
@@ -402,7 +403,10 @@ def _pod_specs(spec: JobSpec) -> list[dict[str, Any]]:
         runtime = builders.build_trainjob(BODY, spec, uri=URI, attempt=1, world_size=3)[0]
         jobs = runtime["spec"]["template"]["spec"]["replicatedJobs"]
         return [j["template"]["spec"]["template"]["spec"] for j in jobs]
-    return [builders.build_pod(BODY, spec, uri=URI, attempt=1, world_size=3, node_rank=0)["spec"]]
+    return [
+        builders.build_pod(BODY, spec, uri=URI, attempt=1, world_size=3, node_rank=rank)["spec"]
+        for rank in range(3)
+    ]
 
 
 @pytest.mark.parametrize("backend", ["pods", "pytorchjob", "trainjob"])
@@ -412,7 +416,7 @@ def test_with_the_agents_csi_driver_the_trainer_mounts_its_jobs_node_cache_read_
     driver = NodeCache(driver="node-cache.ctj.dev")
     raw = {"replicas": 3, "backend": backend, "checkpoint": {"uri": "s3://bucket/jobs"},
            "template": job_spec().template}  # fmt: skip
-    for spec in _pod_specs(JobSpec.parse(raw, node_cache=driver)):
+    for spec in pod_specs(JobSpec.parse(raw, node_cache=driver)):
         volumes = [v for v in spec["volumes"] if v["name"] == builders.NODE_CACHE_VOLUME]
         assert volumes == [{
             "name": builders.NODE_CACHE_VOLUME,
@@ -427,7 +431,7 @@ def test_with_the_agents_csi_driver_the_trainer_mounts_its_jobs_node_cache_read_
         assert "CTJ_NODE_CACHE_MOUNT" not in env_of(sidecar)
         assert builders.NODE_CACHE_VOLUME not in {m["name"] for m in sidecar["volumeMounts"]}
     # without the driver (the operator's default): no volume, every read over HTTP
-    for spec in _pod_specs(JobSpec.parse(raw, node_cache=CACHE)):
+    for spec in pod_specs(JobSpec.parse(raw, node_cache=CACHE)):
         assert builders.NODE_CACHE_VOLUME not in {v["name"] for v in spec.get("volumes", [])}
         assert "CTJ_NODE_CACHE_MOUNT" not in env_of(spec["containers"][0])
 

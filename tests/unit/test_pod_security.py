@@ -15,7 +15,7 @@ from ctj_operator.spec import JobSpec, NodeCache
 
 from tests.unit.chart_helm import CHART, ROOT, Helm, helm
 from tests.unit.pod_security import violations, writable_root
-from tests.unit.test_operator_builders import BODY, URI, job_spec
+from tests.unit.test_operator_builders import job_spec, pod_specs
 
 __all__ = ["helm"]  # the fixture, used by name
 
@@ -38,17 +38,6 @@ OURS = {builders.SIDECAR_NAME}
 
 def restricted_spec(backend: str = "pods") -> JobSpec:
     return job_spec(backend=backend, template={"spec": copy.deepcopy(RESTRICTED_TRAINER)})
-
-
-def pod_specs(spec: JobSpec) -> list[dict[str, Any]]:
-    """Every pod spec the operator would create or hand a controller, for ``spec``."""
-    if spec.backend.value == "pytorchjob":
-        job = builders.build_pytorchjob(BODY, spec, uri=URI, attempt=1, world_size=3)
-        return [r["template"]["spec"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
-    return [
-        builders.build_pod(BODY, spec, uri=URI, attempt=1, world_size=3, node_rank=rank)["spec"]
-        for rank in range(3)
-    ]
 
 
 # ---- the check itself ----
