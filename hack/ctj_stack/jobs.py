@@ -22,7 +22,7 @@ import yaml
 from ctj_contract import GROUP, PLURAL, VERSION
 from ctj_devcluster import Cluster
 from ctj_devcluster.ports import retry_on_bind_conflict
-from kubernetes import client
+from kubernetes import client, watch
 
 from .harness import trainer_log_events
 from .stack import ROOT
@@ -181,6 +181,43 @@ def get_job(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
 
 def status(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
     return get_job(cluster, namespace, name).get("status") or {}
+
+
+def wait_for_status(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    condition: Callable[[dict[str, Any]], bool],
+    what: str,
+    since: str,
+    timeout: float = 60.0,
+) -> dict[str, Any]:
+    """The first status the job was written with after resourceVersion ``since`` that
+    ``condition`` holds for. A watch, not a poll: it sees every write, so a phase the
+    operator holds for a few milliseconds is not missed."""
+    deadline = time.monotonic() + timeout
+    version = since
+    while (left := deadline - time.monotonic()) > 0:
+        stream = watch.Watch()
+        events = stream.stream(
+            custom(cluster).list_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            field_selector=f"metadata.name={name}",
+            resource_version=version,
+            timeout_seconds=max(1, int(left)),
+        )
+        for event in events:
+            job = event["object"]
+            assert event["type"] != "ERROR", f"watching {name} for {what}: {job}"
+            version = job["metadata"]["resourceVersion"]
+            st = job.get("status") or {}
+            if condition(st):
+                stream.stop()
+                return st
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def create_job(cluster: Cluster, namespace: str, job: dict[str, Any]) -> dict[str, Any]:

@@ -26,10 +26,12 @@ from ctj_stack.jobs import (
     attempt_of,
     core,
     custom,
+    get_job,
     job_pods,
     running,
     status,
     wait_for,
+    wait_for_status,
 )
 
 pytestmark = pytest.mark.cluster
@@ -70,11 +72,6 @@ class PodCensus:
             census._thread.join(5)
 
 
-def _phase_is(cluster: Cluster, ns: str, name: str, phase: str, attempt: int) -> bool:
-    st = status(cluster, ns, name)
-    return st.get("phase") == phase and st.get("attempt") == attempt
-
-
 def test_operator_killed_during_restarts_converges_without_duplicates(
     op_cluster: Cluster, operator: OperatorProcess, job_namespace: str, new_job: NewJob
 ) -> None:
@@ -85,8 +82,18 @@ def test_operator_killed_during_restarts_converges_without_duplicates(
 
         # 1. a rank's pod is deleted; SIGKILL the operator as soon as it says Restarting,
         #    and again as soon as it writes attempt 2
+        #    (the operator holds Restarting for a moment only, the survivors staying: a
+        #    watch from before the deletion sees it where a poll can miss it)
+        before = get_job(op_cluster, ns, name)["metadata"]["resourceVersion"]
         core(op_cluster).delete_namespaced_pod(f"{name}-a1-1", ns)
-        wait_for(lambda: _phase_is(op_cluster, ns, name, "Restarting", 1), "Restarting", 30)
+        wait_for_status(
+            op_cluster,
+            ns,
+            name,
+            lambda st: st.get("phase") == "Restarting" and st.get("attempt") == 1,
+            "Restarting",
+            since=before,
+        )
         operator.kill()
         operator.start()
         wait_for(lambda: status(op_cluster, ns, name).get("attempt") == 2, "attempt 2", 60)
