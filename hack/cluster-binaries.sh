@@ -3,6 +3,10 @@
 #
 #   hack/cluster-binaries.sh           build what is missing, print the paths (KEY=PATH lines)
 #   hack/cluster-binaries.sh --check   build nothing; print the paths, exit 3 if any is missing
+#   hack/cluster-binaries.sh --local   build only what the unit and integration tiers run
+#                                      (helm, SeaweedFS); print every path as --check does,
+#                                      exit 0 (the test command runs those tiers while the
+#                                      rest builds)
 #   hack/cluster-binaries.sh --kind    (opt-in; hack/kind uses it) build and print what the kind
 #                                      cluster's images are made of: the above's etcd and control
 #                                      plane, plus kind, kubelet/kubeadm/kube-proxy/kubectl (module
@@ -317,14 +321,31 @@ if [ "$mode" = "--check" ]; then
   if (( ${#missing[@]} )); then log "not built: ${missing[*]}"; exit 3; fi
   exit 0
 fi
-if [ "$mode" != "build" ]; then log "usage: $0 [--check|--kind|--kind-check]"; exit 2; fi
+if [ "$mode" != "build" ] && [ "$mode" != "--local" ]; then
+  log "usage: $0 [--check|--local|--kind|--kind-check]"; exit 2
+fi
+
+# helm (the chart's tests render it) and SeaweedFS (the S3 server of every tier): all the
+# tiers before the cluster tier need, so --local builds them first
+build_local() {
+  if [ ! -f "$helm_dir/.complete" ]; then
+    download_or_build helm_dir helm "$HELM_VERSION" "$hack/gomod/helm" "$helm_ldflags" \
+      helm.sh/helm/v3/cmd/helm
+  fi
+  if [ ! -f "$seaweedfs_dir/.complete" ]; then
+    build seaweedfs "$seaweedfs_dir" "$hack/gomod/seaweedfs" "$seaweedfs_ldflags" \
+      github.com/seaweedfs/seaweedfs/weed
+  fi
+}
 
 t0=$(date +%s)
-build_control_plane
-if [ ! -f "$helm_dir/.complete" ]; then
-  download_or_build helm_dir helm "$HELM_VERSION" "$hack/gomod/helm" "$helm_ldflags" \
-    helm.sh/helm/v3/cmd/helm
+build_local
+if [ "$mode" = "--local" ]; then
+  log "helm and SeaweedFS ready in $(( $(date +%s) - t0 ))s"
+  print_paths
+  exit 0
 fi
+build_control_plane
 if [ ! -f "$kubeflow_dir/.complete" ]; then
   build kubeflow "$kubeflow_dir" "$hack/gomod/kubeflow" "$kubeflow_ldflags" \
     "$kubeflow_pkg/cmd/training-operator.v1"
@@ -339,10 +360,6 @@ fi
 if [ ! -f "$trainer_dir/.complete" ]; then
   build kubeflow-trainer "$trainer_dir" "$hack/gomod/trainer" "$trainer_ldflags" \
     "$trainer_pkg/cmd/trainer-controller-manager"
-fi
-if [ ! -f "$seaweedfs_dir/.complete" ]; then
-  build seaweedfs "$seaweedfs_dir" "$hack/gomod/seaweedfs" "$seaweedfs_ldflags" \
-    github.com/seaweedfs/seaweedfs/weed
 fi
 if (( ${#missing[@]} )); then
   log "cold start (download or build) of ${missing[*]##*/} took $(( $(date +%s) - t0 ))s"

@@ -33,27 +33,42 @@ if [[ "${1:-}" == "--fast" ]]; then
   phase "done"
   exit 0
 fi
-# The Go build of the control plane (cached by version) needs only bash and Go:
-# on a cold machine it overlaps the venv build instead of following it.
-bin_log=$(mktemp)
-hack/cluster-binaries.sh >"$bin_log" 2>&1 &
+# The Go builds (cached by version) need only bash and Go: on a cold machine they overlap
+# the venv's build instead of following it. helm and SeaweedFS come first (--local): the
+# unit and integration tiers need nothing else, so with no arguments those tiers run while
+# the control plane and the controllers (the cluster tier's) still compile, niced
+# (CTJ_BUILD_NICE), and then the e2e tier's images and kind tools are built.
+bin_log=$(mktemp) bin_rc=$(mktemp)
+hack/cluster-binaries.sh --local >"$bin_log" 2>&1 &
 bin_pid=$!
 source hack/env.sh
 set -euo pipefail
 hack/system-tools.sh                # promtool
-wait "$bin_pid" || { cat "$bin_log" >&2; echo "ctj: building the cluster binaries failed" >&2; exit 1; }
+wait "$bin_pid" || { cat "$bin_log" >&2; echo "ctj: building helm and SeaweedFS failed" >&2; exit 1; }
 cat "$bin_log" >&2
-lint
 
 e2e_cluster="${CTJ_E2E_CLUSTER:-ctj-e2e}"
 e2e_env="$(mktemp)" e2e_log="$(mktemp)" e2e_made=""
 cleanup() {
-  rm -f "$e2e_env" "$e2e_log" "$bin_log"
+  rm -f "$e2e_env" "$e2e_log" "$bin_log" "$bin_rc"
   if [ -n "$e2e_made" ] && [ -z "${CTJ_E2E_KEEP_CLUSTER:-}" ]; then
     CTJ_KIND_CLUSTER="$e2e_cluster" hack/kind/cluster.sh down >/dev/null 2>&1 || true
   fi
 }
 trap cleanup EXIT
+# the rest of the binaries; its exit status lands in $bin_rc
+build_rest() {
+  local rc=0
+  hack/cluster-binaries.sh >"$bin_log" 2>&1 || rc=$?
+  echo "$rc" >"$bin_rc"
+  return "$rc"
+}
+# wait for build_rest (run in the background job $bin_pid), its log to stderr
+built() {
+  while [ ! -s "$bin_rc" ] && kill -0 "$bin_pid" 2>/dev/null; do sleep 1; done
+  cat "$bin_log" >&2
+  [ "$(cat "$bin_rc")" = 0 ] || { echo "ctj: building the cluster binaries failed" >&2; exit 1; }
+}
 # the e2e tier's prerequisites, built (and a cluster left by an interrupted run deleted)
 prepare_e2e() {
   hack/stack-env.sh --prepare || return $?
@@ -80,22 +95,32 @@ e2e_ready() {
 }
 e2e_pid=""
 if (( $# == 0 )) || [[ "$*" == *e2e* ]]; then
-  phase "building the e2e tier's images and kind tools (log follows when it is needed)"
-  prepare_e2e >"$e2e_env" 2>"$e2e_log" &
-  e2e_pid=$!
+  phase "building the cluster tier's binaries, then the e2e tier's images and kind tools (logs follow when they are needed)"
+  { build_rest && prepare_e2e; } >"$e2e_env" 2>"$e2e_log" &
+  bin_pid=$! e2e_pid=$!
+else
+  build_rest &
+  bin_pid=$!
 fi
+lint
 if (( $# == 0 )); then
-  phase "pytest (every tier but e2e)"
   rc=0
   # the slowest tests are listed: where the 90 minutes of CI go, in every CI log
-  python -m pytest -ra --durations=25 --ignore=tests/e2e || rc=$?
-  phase "pytest (every tier but e2e) ended (exit $rc)"
+  phase "pytest (unit and integration tiers)"
+  python -m pytest -ra --durations=25 tests/unit tests/integration || rc=$?
+  phase "pytest (unit and integration tiers) ended (exit $rc)"
+  built
+  phase "pytest (cluster tier)"
+  python -m pytest -ra --durations=15 tests --ignore=tests/unit --ignore=tests/integration \
+    --ignore=tests/e2e || rc=$(( rc ? rc : $? ))
+  phase "pytest (cluster tier) ended (exit $rc)"
   e2e_ready
   phase "pytest (e2e tier, on kind)"
   python -m pytest -ra --durations=12 tests/e2e || rc=$(( rc ? rc : $? ))
   phase "done (exit $rc)"
   exit "$rc"
 fi
+built
 if [ -n "$e2e_pid" ]; then e2e_ready; fi
 phase "pytest"
 python -m pytest -ra "$@"

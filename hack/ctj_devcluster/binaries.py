@@ -99,3 +99,10 @@ def find_built(var: str, what: str, *files: str) -> tuple[Path, ...]:
             f"{what} is not built ({', '.join(missing) or var + ' unset'}); run {BUILD_SCRIPT}"
         )
     return paths
+
+
+def find_helm() -> Path:
+    """helm alone (the chart's tests render with it; they need no control plane, and run
+    while the test command still builds one: ``hack/cluster-binaries.sh --local``)."""
+    (helm,) = find_built("CTJ_HELM_BIN_DIR", "helm", "bin/helm")
+    return helm

@@ -159,6 +159,7 @@ class Lifecycle:
             assert kept is not None, f"survivor {old.metadata.name} was not kept: {sorted(now)}"
             assert kept.metadata.uid == old.metadata.uid, f"{old.metadata.name} was recreated"
             assert kept.metadata.labels[LABEL_RANK] == str(rank), kept.metadata.labels
+            assert LABEL_SPARE not in kept.metadata.labels, f"{old.metadata.name} still a spare"
             restarts = {s.name: s.restart_count for s in kept.status.container_statuses or []}
             assert set(restarts.values()) == {0}, f"{old.metadata.name} restarted: {restarts}"
         carried = c.status(ns, name).get("carried") or []

@@ -455,6 +455,16 @@ def test_cluster_binaries_downloads_instead_of_building(site: Site, tmp_path: Pa
         Path(kind_built[key]).mkdir(parents=True)
         (Path(kind_built[key]).parent / ".complete").touch()
 
+    # --local: helm (and SeaweedFS, built here) only, what the tiers before the cluster
+    # tier run while the test command builds the rest; every path printed, as --check does
+    local = script("--local", CTJ_DOWNLOAD="always")
+    assert local.rc == 0, local.stderr
+    local_paths = _paths(local.stdout)
+    assert list(local_paths) == list(built)
+    assert local_paths["CTJ_HELM_BIN_DIR"] == str(cache / f"helm-{TOOLS['helm'][0]}-dl" / "bin")
+    assert not any((cache / f"{name}-{TOOLS[name][0]}-dl").exists() for name in ("etcd", "k8s"))
+    assert script("--check").rc == 3, "the control plane is still missing"
+
     # always: a failed download would end the run instead of starting a 50-minute build
     run = script(CTJ_DOWNLOAD="always")
     assert run.rc == 0, run.stderr

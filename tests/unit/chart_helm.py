@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from ctj_devcluster import BinariesMissing, find_binaries
+from ctj_devcluster.binaries import BinariesMissing, find_helm
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ctj"
@@ -27,7 +27,7 @@ Helm = Callable[..., subprocess.CompletedProcess[str]]
 def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
     """`helm(*args, check=True)` → CompletedProcess, with private helm homes."""
     try:
-        binary = find_binaries().helm
+        binary = find_helm()
     except BinariesMissing as exc:
         pytest.skip(str(exc))
     home = tmp_path_factory.mktemp("helm-home")

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import yaml
 from ctj_contract import LABEL_JOB
-from ctj_devcluster import BinariesMissing, find_binaries
+from ctj_devcluster.binaries import BinariesMissing, find_helm
 
 from tests.unit.test_chart_files import CHART
 
 
 def rendered_pod_monitor(*sets: str) -> list[dict[str, Any]]:
     try:
-        helm = find_binaries().helm
+        helm = find_helm()
     except BinariesMissing as exc:
         pytest.skip(str(exc))
     args = [str(helm), "template", "ctj", str(CHART), "-n", "ctj-system"]
