@@ -412,7 +412,10 @@ class Lifecycle:
         c.log(f"stopping the trainer of {victim.metadata.name} (SIGSTOP)")
         c.signal_trainer(ns, victim.metadata.name, "STOP")
         st, restored, first = self._resumed(world, committed_before)
-        assert condition(st, "Restarted").get("reason") == "RankHung", st["conditions"]
+        restarted = condition(st, "Restarted")
+        assert restarted.get("reason") == "RankHung", st["conditions"]
+        rank = victim.metadata.labels[LABEL_RANK]
+        assert f"trainer of rank {rank}" in restarted.get("message", ""), restarted
         assert self._restart_counts() == (node_restarts, restarts + 1), (
             "a hung rank is the job's failure, not a node's"
         )
