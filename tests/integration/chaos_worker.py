@@ -10,7 +10,7 @@ Some tensors change only every other step and AdamW's second moment never change
 within an attempt, so incremental and differential saves really do skip chunks (and
 gc has referenced-but-old chunks to keep).
 
-The ranks are forked from a forkserver that preloaded this module (test_chaos.py), so
+The ranks are forked from a forkserver that preloaded this module (rank_preload.py), so
 a rank costs a fork instead of importing torch; ``rank_main`` gives each its own
 environment and log, then runs a ``run_*`` function after ``init_process_group``.
 """

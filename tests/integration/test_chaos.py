@@ -39,8 +39,8 @@ GC_GRACE_S): what it deletes of a save in flight, the gc fence makes the save st
 
 A seed fixes a trial's scenario (world sizes, mode, victim, trigger, gap), not the
 interleaving of the processes. CTJ_CHAOS_RECORD=path appends one JSON line per trial.
-Ranks are forked from a forkserver that has torch imported (a fork, not an import, per
-rank); sidecars are real ``python -m trainer_sidecar sidecar`` processes (no torch).
+Ranks are forked from ranks.py's forkserver, which has torch imported (a fork, not an
+import, per rank); sidecars are real ``python -m trainer_sidecar sidecar`` processes (no torch).
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ import atexit
 import contextlib
 import dataclasses
 import json
-import multiprocessing
 import os
 import random
 import re
@@ -74,6 +73,7 @@ from ctj_contract.launch import Assignment
 
 from tests.conftest import ROOT, free_port
 from tests.integration import chaos_worker as cw
+from tests.integration.ranks import FORK
 from trainer_sidecar import CheckpointConfig, Checkpointer
 from trainer_sidecar import cli as ctj_cli
 from trainer_sidecar.errors import ObjectNotFound
@@ -103,9 +103,6 @@ CHUNK_SIZE = 65536
 GC_GRACE_S = 5.0
 # the job's token in the sidecars' environment (CTJ_CACHE_TOKEN): their heartbeat's
 HEARTBEAT_TOKEN = "chaos-" + uuid.uuid4().hex
-
-_FORK = multiprocessing.get_context("forkserver")
-_FORK.set_forkserver_preload(["tests.integration.chaos_worker"])
 
 
 class ChaosFailure(AssertionError):
@@ -180,7 +177,7 @@ class Rank(Participant):
 
     def __init__(self, name: str, log: Path, env: dict[str, str], target: str, args: Any) -> None:
         self.name, self.log = name, log
-        self.proc: BaseProcess = _FORK.Process(
+        self.proc: BaseProcess = FORK.Process(
             target=cw.rank_main, args=(env, str(log), target, args), daemon=True
         )
         self.proc.start()

@@ -60,10 +60,9 @@ def test_rank_processes_exit_cleanly(kind: str, s3_uri: str, tmp_path: Path) -> 
     test's ranks), each ROUNDS times: every rank exits 0 and nothing aborts."""
     for i in range(ROUNDS):
         args = {"kind": kind, "uri": f"{s3_uri}-{i}", "step": 5, "ref": str(tmp_path / f"{i}.pt")}
-        outputs = run_ranks(
-            2, "tests.integration.test_exit_status:save_close_and_check_threads", args
-        )
-        outputs += run_ranks(2, "tests.integration.workers:load_and_compare", args)
+        target = "tests.integration.test_exit_status:save_close_and_check_threads"
+        outputs = run_ranks(2, target, args, fresh=True)  # the interpreter's own exit
+        outputs += run_ranks(2, "tests.integration.workers:load_and_compare", args, fresh=True)
         for rank, out in enumerate(outputs):
             assert "terminate called" not in out, f"round {i}, process {rank}:\n{out[-3000:]}"
 
