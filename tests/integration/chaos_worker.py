@@ -17,11 +17,9 @@ environment and log, then runs a ``run_*`` function after ``init_process_group``
 
 from __future__ import annotations
 
-import faulthandler
 import hashlib
 import logging
 import os
-import signal
 import sys
 import time
 import traceback
@@ -38,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 import trainer_sidecar.load.restore  # noqa: F401 - preloaded, as above
 import trainer_sidecar.save.protocol  # noqa: F401
+from tests.integration.ranks import become_rank
 from trainer_sidecar import CheckpointConfig, Checkpointer
 from trainer_sidecar.checkpointer import PendingSave
 from trainer_sidecar.errors import SaveFailed
@@ -312,16 +311,7 @@ def run_trainer(args: dict[str, Any]) -> None:
 
 def rank_main(env: dict[str, str], log: str, target: str, args: dict[str, Any]) -> None:
     """A forked rank: its own environment and log, then ``target(args)`` in the group."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    os.environ.clear()
-    os.environ.update(env)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks, when a test hangs
-    torch.set_num_threads(1)
+    become_rank(env, log)
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

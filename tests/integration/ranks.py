@@ -184,11 +184,9 @@ def run_target(target: str, raw: str) -> None:
     exit_rank(0)  # as a trainer ends (trainer_sidecar/rank_exit.py: why)
 
 
-def forked_main(env: dict[str, str], log: str, target: str, raw: str) -> None:
-    """A forked rank: the environment and output a fresh process would have, then
-    run_target. Ends the process itself, 1 on an exception, as an interpreter would."""
-    import traceback
-
+def become_rank(env: dict[str, str], log: str) -> None:
+    """In a process just forked from FORK: the environment, output and thread count a
+    fresh rank process would have (``env`` replaces the forkserver's, not merged)."""
     import torch
 
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -201,7 +199,15 @@ def forked_main(env: dict[str, str], log: str, target: str, raw: str) -> None:
     os.environ.update(env)
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks, when a test hangs
-    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+
+
+def forked_main(env: dict[str, str], log: str, target: str, raw: str) -> None:
+    """A forked rank: become_rank, then run_target. Ends the process itself, 1 on an
+    exception, as an interpreter would."""
+    import traceback
+
+    become_rank(env, log)
     code = 0
     try:
         run_target(target, raw)
