@@ -13,11 +13,14 @@ test about the process itself (how it exits, what the interpreter does at its en
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import functools
 import importlib
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,11 +50,20 @@ class RankProcess(Protocol):
     def communicate(self, timeout: float | None = None) -> tuple[str, None]: ...
 
 
+@functools.cache
+def _logs() -> str:
+    """The directory of this process's rank logs, removed at its exit (a rank a test
+    killed and never read leaves its log there)."""
+    path = tempfile.mkdtemp(prefix="ctj-ranks-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 class ForkedRank:
     """A rank forked from FORK, its stdout and stderr in a file read back at the end."""
 
     def __init__(self, env: dict[str, str], target: str, args: dict[str, Any]) -> None:
-        fd, path = tempfile.mkstemp(prefix="ctj-rank-", suffix=".log")
+        fd, path = tempfile.mkstemp(prefix="rank-", suffix=".log", dir=_logs())
         os.close(fd)
         self._log = Path(path)
         self._proc = FORK.Process(
