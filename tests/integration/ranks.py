@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from tests.conftest import ROOT, free_port
 from trainer_sidecar.rank_exit import exit_rank
@@ -34,20 +34,6 @@ from trainer_sidecar.rank_exit import exit_rank
 FORK = multiprocessing.get_context("forkserver")
 FORK.set_forkserver_preload(["tests.integration.rank_preload"])
 """The forkserver every forked rank of the tier comes from (test_chaos.py's too)."""
-
-
-class RankProcess(Protocol):
-    """What a test may do with a rank: subprocess.Popen's methods, as both kinds have them."""
-
-    @property
-    def pid(self) -> int: ...
-    @property
-    def returncode(self) -> int | None: ...
-    def poll(self) -> int | None: ...
-    def wait(self, timeout: float | None = None) -> int: ...
-    def send_signal(self, sig: int) -> None: ...
-    def kill(self) -> None: ...
-    def communicate(self, timeout: float | None = None) -> tuple[str, None]: ...
 
 
 @functools.cache
@@ -127,9 +113,9 @@ def spawn_ranks(
     *,
     env: dict[str, str] | None = None,
     fresh: bool = False,
-) -> list[RankProcess]:
+) -> list[ForkedRank | subprocess.Popen[str]]:
     port = free_port()
-    procs: list[RankProcess] = []
+    procs: list[ForkedRank | subprocess.Popen[str]] = []
     for rank in range(world_size):
         rank_env = _rank_env(rank, world_size, port, env)
         if not fresh:
