@@ -1047,9 +1047,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_checkpoint.script_main(
-        argv, parse_args=parse_args, run=run, table=table, worker_main=worker_main
-    )
+    return bench_checkpoint.script_main(argv, parse_args=parse_args, run=run, table=table)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import io
 import json
 import math
@@ -665,7 +666,18 @@ def s3tc_status() -> str | None:
 def run_world(
     world: int, phase: str, args: dict[str, Any], env: dict[str, str], *, script: str = __file__
 ) -> dict[str, Any]:
-    """Run one phase on ``world`` rank processes of ``script --worker``; rank 0's result."""
+    """Run one phase on ``world`` rank processes of ``script``'s ``worker_main``; rank 0's
+    result. The ranks are forked from a server that has imported torch, DCP, the engine
+    and ``script`` once for the whole run (ctj_devcluster/forked.py), each with the
+    environment a fresh ``python script --worker`` would get: the imports (about 4
+    CPU-seconds a rank) are not what a benchmark measures, and a phase's figures are taken
+    inside it. The first call names what the server preloads."""
+    from ctj_devcluster.forked import ForkedProcess, preload
+
+    module = os.path.splitext(os.path.basename(script))[0]
+    preload([*WORKER_PRELOAD, module])  # no effect once the server runs
+    # By its module's name, never as __main__'s: the fork resolves it by name.
+    entry = importlib.import_module("bench_checkpoint").forked_worker
     with tempfile.TemporaryDirectory(prefix="ctj-bench-") as tmp:
         args = dict(args, out=os.path.join(tmp, "out.json"))
         args_path = os.path.join(tmp, "args.json")
@@ -676,12 +688,7 @@ def run_world(
         for rank in range(world):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
             rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-            cmd = [sys.executable, os.path.abspath(script), "--worker", phase, args_path]
-            procs.append(
-                subprocess.Popen(
-                    cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-                )
-            )
+            procs.append(ForkedProcess(entry, (module, phase, args_path), rank_env))
         outputs = [p.communicate()[0] for p in procs]
         failed = [r for r, p in enumerate(procs) if p.returncode != 0]
         if failed:
@@ -690,6 +697,23 @@ def run_world(
         with open(args["out"]) as f:
             result: dict[str, Any] = json.load(f)
             return result
+
+
+WORKER_PRELOAD = [
+    "torch",
+    "torch._dynamo",  # FSDP2 imports it: ~2 s a rank otherwise
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "trainer_sidecar.load.restore",
+    "trainer_sidecar.save.protocol",
+    "bench_checkpoint",
+]
+"""What the rank processes' forkserver imports once (and the script that runs them)."""
+
+
+def forked_worker(module: str, phase: str, args_path: str) -> None:
+    """A rank forked by run_world: ``module.worker_main`` (the script's ``--worker``)."""
+    importlib.import_module(module).worker_main(phase, args_path)
 
 
 def machine() -> dict[str, Any]:
@@ -983,15 +1007,10 @@ def script_main(
     parse_args: Callable[[list[str]], argparse.Namespace],
     run: Callable[[argparse.Namespace], dict[str, Any]],
     table: Callable[[dict[str, Any]], str],
-    worker_main: Callable[[str, str], None],
 ) -> int:
-    """A bench script's main: a rank worker (``--worker PHASE ARGS``), or the whole run,
-    its table on stdout and, with ``--json``, the report."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        worker_main(argv[1], argv[2])
-        return 0
-    opts = parse_args(argv)
+    """A bench script's main: the whole run, its table on stdout and, with ``--json``, the
+    report (its ranks run the script's ``worker_main``: run_world)."""
+    opts = parse_args(sys.argv[1:] if argv is None else argv)
     report = run(opts)
     print(table(report))
     if not all(t["met"] for t in report["targets"].values()):
@@ -1003,7 +1022,7 @@ def script_main(
 
 
 def main(argv: list[str] | None = None) -> int:
-    return script_main(argv, parse_args=parse_args, run=run, table=table, worker_main=worker_main)
+    return script_main(argv, parse_args=parse_args, run=run, table=table)
 
 
 if __name__ == "__main__":

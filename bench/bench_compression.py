@@ -725,14 +725,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return opts
 
 
-def worker_main(phase: str, args_path: str) -> None:
-    raise SystemExit("bench_compression runs in one process: no --worker phases")
-
-
 def main(argv: list[str] | None = None) -> int:
-    return bench_checkpoint.script_main(
-        argv, parse_args=parse_args, run=run, table=table, worker_main=worker_main
-    )
+    return bench_checkpoint.script_main(argv, parse_args=parse_args, run=run, table=table)
 
 
 if __name__ == "__main__":

@@ -258,9 +258,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bc.script_main(
-        argv, parse_args=parse_args, run=run, table=table, worker_main=worker_main
-    )
+    return bc.script_main(argv, parse_args=parse_args, run=run, table=table)
 
 
 if __name__ == "__main__":

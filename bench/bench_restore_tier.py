@@ -219,7 +219,8 @@ class Nodes:
             "caches": [str(self.dir(n)) for n in nodes],
             "agents": [self.agent(n) for n in nodes] if self.agented else None,
             "mounts": [str(self.dir(n).joinpath(*JOB)) for n in nodes]
-            if self.via == "mount" else None,
+            if self.via == "mount"
+            else None,
             "peers": [
                 [self.address(p) for p in nodes if p != n and p in self.servers] for n in nodes
             ],  # fmt: skip
@@ -450,9 +451,7 @@ def _vias(raw: str) -> tuple[str, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bc.script_main(
-        argv, parse_args=parse_args, run=run, table=table, worker_main=worker_main
-    )
+    return bc.script_main(argv, parse_args=parse_args, run=run, table=table)
 
 
 if __name__ == "__main__":

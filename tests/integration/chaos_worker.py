@@ -11,8 +11,8 @@ within an attempt, so incremental and differential saves really do skip chunks (
 gc has referenced-but-old chunks to keep).
 
 The ranks are forked from a forkserver that preloaded this module (rank_preload.py), so
-a rank costs a fork instead of importing torch; ``rank_main`` gives each its own
-environment and log, then runs a ``run_*`` function after ``init_process_group``.
+a rank costs a fork instead of importing torch; ``rank_main`` runs a ``run_*`` function
+after ``init_process_group``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import logging
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,6 @@ from torch.distributed.tensor import DTensor
 
 import trainer_sidecar.load.restore  # noqa: F401 - preloaded, as above
 import trainer_sidecar.save.protocol  # noqa: F401
-from tests.integration.ranks import become_rank
 from trainer_sidecar import CheckpointConfig, Checkpointer
 from trainer_sidecar.checkpointer import PendingSave
 from trainer_sidecar.errors import SaveFailed
@@ -309,9 +307,9 @@ def run_trainer(args: dict[str, Any]) -> None:
     say("DONE")
 
 
-def rank_main(env: dict[str, str], log: str, target: str, args: dict[str, Any]) -> None:
-    """A forked rank: its own environment and log, then ``target(args)`` in the group."""
-    become_rank(env, log)
+def rank_main(target: str, args: dict[str, Any]) -> None:
+    """A forked rank (ctj_devcluster.forked.ForkedProcess gave it its environment and
+    log): ``target(args)`` in the group. An exception ends it with 1 and its traceback."""
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -319,13 +317,6 @@ def rank_main(env: dict[str, str], log: str, target: str, args: dict[str, Any]) 
         force=True,
     )
     fn = globals()[target]
-    try:
-        dist.init_process_group("gloo")
-        fn(args)
-        dist.destroy_process_group()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)  # no interpreter teardown: torch's and gloo's threads may still be about
+    dist.init_process_group("gloo")
+    fn(args)
+    dist.destroy_process_group()

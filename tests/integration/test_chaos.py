@@ -61,7 +61,6 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -70,10 +69,11 @@ import pytest
 import torch
 from ctj_contract import HEARTBEAT_PATH, Env, HeartbeatAsk, HeartbeatReply
 from ctj_contract.launch import Assignment
+from ctj_devcluster.forked import ForkedProcess
 
+import tests.integration.ranks  # noqa: F401 - it names what the forkserver preloads
 from tests.conftest import ROOT, free_port
 from tests.integration import chaos_worker as cw
-from tests.integration.ranks import FORK
 from trainer_sidecar import CheckpointConfig, Checkpointer
 from trainer_sidecar import cli as ctj_cli
 from trainer_sidecar.errors import ObjectNotFound
@@ -177,18 +177,14 @@ class Rank(Participant):
 
     def __init__(self, name: str, log: Path, env: dict[str, str], target: str, args: Any) -> None:
         self.name, self.log = name, log
-        self.proc: BaseProcess = FORK.Process(
-            target=cw.rank_main, args=(env, str(log), target, args), daemon=True
-        )
-        self.proc.start()
+        self.proc = ForkedProcess(cw.rank_main, (target, args), env, log=log)
 
     @property
     def pid(self) -> int:
-        assert self.proc.pid is not None
         return self.proc.pid
 
     def returncode(self) -> int | None:
-        return self.proc.exitcode
+        return self.proc.returncode
 
 
 # The sidecars' launcher: one process that has imported what `ctj sidecar` imports (never
