@@ -88,6 +88,7 @@ class SeaweedFS:
             named = dict(zip(_PORTS, ports, strict=True))
             argv = [
                 str(weed),
+                "-logtostderr",  # its log is log_path; glog's files would pile up in /tmp
                 "mini",
                 f"-dir={data}",
                 "-ip=127.0.0.1",
