@@ -669,9 +669,9 @@ def run_world(
     """Run one phase on ``world`` rank processes of ``script``'s ``worker_main``; rank 0's
     result. The ranks are forked from a server that has imported torch, DCP, the engine
     and ``script`` once for the whole run (ctj_devcluster/forked.py), each with the
-    environment a fresh ``python script --worker`` would get: the imports (about 4
-    CPU-seconds a rank) are not what a benchmark measures, and a phase's figures are taken
-    inside it. The first call names what the server preloads."""
+    environment, affinity and thread count a fresh rank process would get: the imports
+    (about 4 CPU-seconds a rank) are not what a benchmark measures, and a phase's figures
+    are taken inside it. The first call names what the server preloads."""
     from ctj_devcluster.forked import ForkedProcess, preload
 
     module = os.path.splitext(os.path.basename(script))[0]
@@ -712,7 +712,7 @@ WORKER_PRELOAD = [
 
 
 def forked_worker(module: str, phase: str, args_path: str) -> None:
-    """A rank forked by run_world: ``module.worker_main`` (the script's ``--worker``)."""
+    """A rank forked by run_world: the bench script ``module``'s ``worker_main``."""
     importlib.import_module(module).worker_main(phase, args_path)
 
 
