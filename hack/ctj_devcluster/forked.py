@@ -33,7 +33,7 @@ from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
-FORK = multiprocessing.get_context("forkserver")
+_FORK = multiprocessing.get_context("forkserver")
 """The context every ForkedProcess comes from (one forkserver per process)."""
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -41,12 +41,14 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"
 
 def preload(modules: list[str]) -> None:
     """What the forkserver imports before its first fork; call before the first start."""
-    FORK.set_forkserver_preload(modules)
+    _FORK.set_forkserver_preload(modules)
 
 
+@functools.cache
 def _start_server() -> None:
-    """The forkserver, started (once) with one thread per pool: it inherits this process's
-    environment when it starts, so the thread variables are 1 for that moment only."""
+    """The forkserver, started once with one thread per pool: it inherits this process's
+    environment when it starts, so the thread variables are 1 for that moment only (once:
+    another thread starting a process of its own meanwhile would inherit them too)."""
     saved = {name: os.environ.get(name) for name in THREAD_VARIABLES}
     os.environ.update(dict.fromkeys(THREAD_VARIABLES, "1"))
     try:
@@ -69,7 +71,7 @@ def _logs() -> str:
 
 
 class ForkedProcess:
-    """``main(*args)`` in a process forked from FORK with exactly ``env`` as its
+    """``main(*args)`` in a process forked from the forkserver with exactly ``env`` as its
     environment and ``cores`` as its CPU affinity (default: the caller's now, as a child
     started here would inherit); stdout and stderr go to ``log`` (default: a file of its
     own, removed once ``communicate`` has returned it). The methods a test or a benchmark
@@ -92,7 +94,7 @@ class ForkedProcess:
         self._log = log
         affinity = sorted(os.sched_getaffinity(0) if cores is None else cores)
         _start_server()
-        self._proc = FORK.Process(
+        self._proc = _FORK.Process(
             target=_forked_main, args=(env, str(log), affinity, main, tuple(args)), daemon=True
         )
         self._proc.start()
@@ -130,8 +132,8 @@ class ForkedProcess:
         return out, None
 
 
-def become(env: dict[str, str], log: str, cores: Iterable[int] | None = None) -> None:
-    """In a process just forked from FORK: the environment (replaced, not merged), output,
+def _become(env: dict[str, str], log: str, cores: list[int]) -> None:
+    """In a process just forked from the forkserver: the environment (replaced, not merged), output,
     affinity and thread count a fresh process started with ``env`` would have."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
@@ -141,8 +143,7 @@ def become(env: dict[str, str], log: str, cores: Iterable[int] | None = None) ->
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(env)
-    if cores is not None:
-        os.sched_setaffinity(0, cores)
+    os.sched_setaffinity(0, cores)
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks, when a caller hangs
     torch = sys.modules.get("torch")
@@ -153,10 +154,10 @@ def become(env: dict[str, str], log: str, cores: Iterable[int] | None = None) ->
 def _forked_main(
     env: dict[str, str], log: str, cores: list[int], main: Callable[..., None], args: tuple
 ) -> None:
-    """A ForkedProcess: become, then ``main(*args)``. Ends the process itself, 1 on an
+    """A ForkedProcess: _become, then ``main(*args)``. Ends the process itself, 1 on an
     exception, as an interpreter would, without its teardown (torch's gloo threads may be
     about: trainer_sidecar/rank_exit.py)."""
-    become(env, log, cores)
+    _become(env, log, cores)
     code = 0
     try:
         main(*args)
