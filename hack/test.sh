@@ -7,11 +7,14 @@
 #
 # The e2e tier (tests/e2e) runs on a kind cluster of its own, ${CTJ_E2E_CLUSTER:-ctj-e2e}
 # (the demo's cluster is left alone). With no arguments, everything it needs is built in
-# the background while the other tiers run (hack/stack-env.sh --prepare); the cluster is
-# made only when the e2e tier starts, and deleted when it ends (CTJ_E2E_KEEP_CLUSTER=1 keeps
-# it), so that no idle cluster shares the cores with the other tiers. With arguments, the
-# e2e tier's cluster is brought up only when they name e2e. Where no container runtime can
-# run, the e2e tier skips with the reason in pytest's summary.
+# the background (hack/stack-env.sh --prepare), and the tier then runs beside the others:
+# every tier waits on Kubernetes timings, servers and polls about 40 % of the time, and the
+# e2e tier's containers on kind share the least with the host processes of the others
+# (docs/e2e.md, "The e2e tier beside the others"). Its output goes to a file, printed when
+# the other tiers end; its cluster is deleted as soon as it ends (CTJ_E2E_KEEP_CLUSTER=1
+# keeps it). CTJ_SERIAL_TIERS=1 runs it after the others instead. With arguments, the e2e
+# tier's cluster is brought up only when they name e2e. Where no container runtime can run,
+# the e2e tier skips with the reason in pytest's summary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
@@ -38,7 +41,7 @@ fi
 # unit and integration tiers need nothing else, so with no arguments those tiers run while
 # the control plane and the controllers (the cluster tier's) still compile, niced
 # (CTJ_BUILD_NICE), and then the e2e tier's images and kind tools are built.
-bin_log=$(mktemp) bin_rc=$(mktemp)
+bin_log=$(mktemp) bin_rc=$(mktemp) e2e_rc=$(mktemp)
 hack/cluster-binaries.sh --local >"$bin_log" 2>&1 &
 bin_pid=$!
 source hack/env.sh
@@ -50,7 +53,10 @@ cat "$bin_log" >&2
 e2e_cluster="${CTJ_E2E_CLUSTER:-ctj-e2e}"
 e2e_env="$(mktemp)" e2e_log="$(mktemp)" e2e_made=""
 cleanup() {
-  rm -f "$e2e_env" "$e2e_log" "$bin_log" "$bin_rc"
+  rm -f "$e2e_env" "$e2e_log" "$bin_log" "$bin_rc" "$e2e_rc" "${e2e_out:-}"
+  if [ -n "${e2e_tier_pid:-}" ] && kill -0 "$e2e_tier_pid" 2>/dev/null; then
+    pkill -TERM -P "$e2e_tier_pid" || true; kill "$e2e_tier_pid" 2>/dev/null || true
+  fi
   if [ -n "$e2e_made" ] && [ -z "${CTJ_E2E_KEEP_CLUSTER:-}" ]; then
     CTJ_KIND_CLUSTER="$e2e_cluster" hack/kind/cluster.sh down >/dev/null 2>&1 || true
   fi
@@ -63,11 +69,19 @@ build_rest() {
   echo "$rc" >"$bin_rc"
   return "$rc"
 }
+# wait for a background job that writes its exit status to a file (from any subshell:
+# only the shell that started a job can `wait` for it); print that status
+job_status() {
+  local pid="$1" rc_file="$2"
+  while [ ! -s "$rc_file" ] && kill -0 "$pid" 2>/dev/null; do sleep 1; done
+  if [ -s "$rc_file" ]; then cat "$rc_file"; else echo 1; fi
+}
 # wait for build_rest (run in the background job $bin_pid), its log to stderr
 built() {
-  while [ ! -s "$bin_rc" ] && kill -0 "$bin_pid" 2>/dev/null; do sleep 1; done
+  local rc
+  rc="$(job_status "$bin_pid" "$bin_rc")"
   cat "$bin_log" >&2
-  [ "$(cat "$bin_rc")" = 0 ] || { echo "ctj: building the cluster binaries failed" >&2; exit 1; }
+  [ "$rc" = 0 ] || { echo "ctj: building the cluster binaries failed" >&2; exit 1; }
 }
 # the e2e tier's prerequisites, built (and a cluster left by an interrupted run deleted)
 prepare_e2e() {
@@ -77,8 +91,8 @@ prepare_e2e() {
 # wait for prepare_e2e, then make the cluster and export what stack-env printed (or why
 # the tier skips)
 e2e_ready() {
-  local rc=0
-  wait "$e2e_pid" || rc=$?
+  local rc
+  rc="$(job_status "$e2e_pid" "$e2e_rc")"
   cat "$e2e_log" >&2
   if (( rc == 3 )); then
     export CTJ_E2E_SKIP_REASON="$(cat "$e2e_env")"
@@ -96,15 +110,35 @@ e2e_ready() {
 e2e_pid=""
 if (( $# == 0 )) || [[ "$*" == *e2e* ]]; then
   phase "building the cluster tier's binaries, then the e2e tier's images and kind tools (logs follow when they are needed)"
-  { build_rest && prepare_e2e; } >"$e2e_env" 2>"$e2e_log" &
+  { rc=0; { build_rest && prepare_e2e; } || rc=$?; echo "$rc" >"$e2e_rc"; } \
+    >"$e2e_env" 2>"$e2e_log" &
   bin_pid=$! e2e_pid=$!
 else
   build_rest &
   bin_pid=$!
 fi
+# the e2e tier: its cluster made once its prerequisites are built, its tests, and the
+# cluster deleted at once (in a subshell: the cluster's variables stay out of the others)
+e2e_tier() {
+  local rc=0
+  e2e_ready || return $?
+  phase "pytest (e2e tier, on kind)"
+  python -m pytest -ra --durations=12 tests/e2e || rc=$?
+  phase "pytest (e2e tier) ended (exit $rc)"
+  if [ -z "${CTJ_E2E_KEEP_CLUSTER:-}" ]; then
+    CTJ_KIND_CLUSTER="$e2e_cluster" hack/kind/cluster.sh down >/dev/null 2>&1 || true
+  fi
+  return "$rc"
+}
 lint
 if (( $# == 0 )); then
-  rc=0
+  rc=0 e2e_out="" e2e_tier_pid=""
+  if [ -z "${CTJ_SERIAL_TIERS:-}" ]; then
+    e2e_out="$(mktemp)" e2e_made=1
+    phase "the e2e tier runs beside the others once its cluster is up (its output: at the end)"
+    e2e_tier >"$e2e_out" 2>&1 &
+    e2e_tier_pid=$!
+  fi
   # the slowest tests are listed: where the 90 minutes of CI go, in every CI log
   phase "pytest (unit and integration tiers)"
   python -m pytest -ra --durations=25 tests/unit tests/integration || rc=$?
@@ -114,9 +148,14 @@ if (( $# == 0 )); then
   python -m pytest -ra --durations=15 tests --ignore=tests/unit --ignore=tests/integration \
     --ignore=tests/e2e || rc=$(( rc ? rc : $? ))
   phase "pytest (cluster tier) ended (exit $rc)"
-  e2e_ready
-  phase "pytest (e2e tier, on kind)"
-  python -m pytest -ra --durations=12 tests/e2e || rc=$(( rc ? rc : $? ))
+  if [ -n "$e2e_tier_pid" ]; then
+    phase "waiting for the e2e tier"
+    wait "$e2e_tier_pid" || rc=$(( rc ? rc : $? ))
+    cat "$e2e_out" >&2
+    rm -f "$e2e_out"
+  else
+    e2e_tier || rc=$(( rc ? rc : $? ))
+  fi
   phase "done (exit $rc)"
   exit "$rc"
 fi
