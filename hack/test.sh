@@ -5,17 +5,19 @@
 # ./hack/test.sh --fast: lint, type checks and the unit tests only (no Go, no Docker, no
 # cluster; under 2 minutes once the Python environment is built). Use it while you work.
 #
+# With no arguments, the three slow tiers run at once, in lanes (docs/e2e.md, "Three
+# lanes"): each alone waits on Kubernetes timings, servers and polls about 40 % of its time,
+# and each holds a cluster of a different kind (none; simulated nodes; kind), so they share
+# only the cores. This process runs lint, then the unit and integration tiers; beside it
+# the cluster tier (once its Go binaries are built) and the e2e tier (once its images and
+# kind tools are: hack/stack-env.sh --prepare, in the background from the start). Their
+# output is printed when all end. CTJ_SERIAL_TIERS=1 runs one tier after another.
+#
 # The e2e tier (tests/e2e) runs on a kind cluster of its own, ${CTJ_E2E_CLUSTER:-ctj-e2e}
-# (the demo's cluster is left alone). With no arguments, the tiers run in two lanes on the
-# 2 cores: every tier waits on Kubernetes timings, servers and polls about 40 % of the time
-# alone (docs/e2e.md, "Two lanes"). The foreground lane runs lint, the unit and integration
-# tiers, then half the cluster tier; the second lane, once the e2e tier's prerequisites are
-# built (hack/stack-env.sh --prepare, in the background from the start), makes the kind
-# cluster, runs the e2e tier, deletes the cluster (CTJ_E2E_KEEP_CLUSTER=1 keeps it), then
-# runs the cluster tier's other half. Its output is printed when both lanes end.
-# CTJ_SERIAL_TIERS=1 runs one tier after another instead. With arguments, the e2e tier's
-# cluster is brought up only when they name e2e. Where no container runtime can run, the
-# e2e tier skips with the reason in pytest's summary.
+# (the demo's cluster is left alone), made when the tier starts and deleted as soon as it
+# ends (CTJ_E2E_KEEP_CLUSTER=1 keeps it). With arguments, the e2e tier's cluster is brought
+# up only when they name e2e. Where no container runtime can run, the e2e tier skips with
+# the reason in pytest's summary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
@@ -52,12 +54,13 @@ wait "$bin_pid" || { cat "$bin_log" >&2; echo "ctj: building helm and SeaweedFS 
 cat "$bin_log" >&2
 
 e2e_cluster="${CTJ_E2E_CLUSTER:-ctj-e2e}"
-e2e_env="$(mktemp)" e2e_log="$(mktemp)" e2e_made=""
+e2e_env="$(mktemp)" e2e_log="$(mktemp)" e2e_made="" lanes=() lane_outs=()
 cleanup() {
-  rm -f "$e2e_env" "$e2e_log" "$bin_log" "$bin_rc" "$e2e_rc" "${lane_out:-}"
-  if [ -n "${lane_pid:-}" ] && kill -0 "$lane_pid" 2>/dev/null; then
-    pkill -TERM -P "$lane_pid" || true; kill "$lane_pid" 2>/dev/null || true
-  fi
+  rm -f "$e2e_env" "$e2e_log" "$bin_log" "$bin_rc" "$e2e_rc" "${lane_outs[@]}"
+  local pid
+  for pid in "${lanes[@]}"; do  # interrupted: the lanes' tests end with this process
+    if kill -0 "$pid" 2>/dev/null; then pkill -TERM -P "$pid" || true; kill "$pid" || true; fi
+  done
   if [ -n "$e2e_made" ] && [ -z "${CTJ_E2E_KEEP_CLUSTER:-}" ]; then
     CTJ_KIND_CLUSTER="$e2e_cluster" hack/kind/cluster.sh down >/dev/null 2>&1 || true
   fi
@@ -131,58 +134,43 @@ e2e_tier() {
   fi
   return "$rc"
 }
-# The cluster tier in two halves of about equal time alone (docs/e2e.md): these files run
-# in the lane after the e2e tier, the rest (and any new file) after the integration tier
-cluster_late=(
-  tests/cluster/test_operator_transitions.py tests/cluster/test_operator_idempotence.py
-  tests/cluster/test_operator_sizing.py tests/cluster/test_operator_lifecycle.py
-)
-# the cluster tier: "early" (all but cluster_late), "late" (cluster_late) or "all"
+# the cluster tier (the binaries' build log first)
 cluster_tier() {
-  local part="$1" rc=0 args=()
-  if [ "$part" = late ]; then
-    args=("${cluster_late[@]}")
-  else
-    args=(tests --ignore=tests/unit --ignore=tests/integration --ignore=tests/e2e)
-    if [ "$part" = early ]; then for f in "${cluster_late[@]}"; do args+=("--ignore=$f"); done; fi
-  fi
-  phase "pytest (cluster tier: $part)"
-  python -m pytest -ra --durations=10 "${args[@]}" || rc=$?
-  phase "pytest (cluster tier: $part) ended (exit $rc)"
-  return "$rc"
-}
-# the lane beside the foreground one: the e2e tier, then the cluster tier's late half
-side_lane() {
   local rc=0
-  e2e_tier || rc=$?
-  [ "$(job_status "$bin_pid" "$bin_rc")" = 0 ] \
-    || { echo "ctj: building the cluster binaries failed" >&2; return 1; }
-  cluster_tier late || rc=$(( rc ? rc : $? ))
+  built
+  phase "pytest (cluster tier)"
+  python -m pytest -ra --durations=15 tests --ignore=tests/unit --ignore=tests/integration \
+    --ignore=tests/e2e || rc=$?
+  phase "pytest (cluster tier) ended (exit $rc)"
   return "$rc"
 }
 lint
 if (( $# == 0 )); then
-  rc=0 lane_out="" lane_pid=""
+  rc=0 lanes=() lane_outs=()
+  # lane FUNCTION: run it in the background, its output to a file printed at the end
+  lane() {
+    local out; out="$(mktemp)"
+    "$1" >"$out" 2>&1 &
+    lanes+=("$!") lane_outs+=("$out")
+  }
   if [ -z "${CTJ_SERIAL_TIERS:-}" ]; then
-    lane_out="$(mktemp)" e2e_made=1
-    phase "a second lane runs the e2e tier, then half the cluster tier (its output: at the end)"
-    side_lane >"$lane_out" 2>&1 &
-    lane_pid=$!
+    phase "the cluster tier and the e2e tier run beside this one (their output: at the end)"
+    e2e_made=1
+    lane cluster_tier
+    lane e2e_tier
   fi
   # the slowest tests are listed: where the 90 minutes of CI go, in every CI log
   phase "pytest (unit and integration tiers)"
   python -m pytest -ra --durations=25 tests/unit tests/integration || rc=$?
   phase "pytest (unit and integration tiers) ended (exit $rc)"
-  built
-  if [ -n "$lane_pid" ]; then
-    cluster_tier early || rc=$(( rc ? rc : $? ))
-    phase "waiting for the second lane"
-    wait "$lane_pid" || rc=$(( rc ? rc : $? ))
-    cat "$lane_out" >&2
-  else
-    cluster_tier all || rc=$(( rc ? rc : $? ))
+  if [ -n "${CTJ_SERIAL_TIERS:-}" ]; then
+    cluster_tier || rc=$(( rc ? rc : $? ))
     e2e_tier || rc=$(( rc ? rc : $? ))
   fi
+  for i in "${!lanes[@]}"; do
+    wait "${lanes[$i]}" || rc=$(( rc ? rc : $? ))
+    cat "${lane_outs[$i]}" >&2
+  done
   phase "done (exit $rc)"
   exit "$rc"
 fi

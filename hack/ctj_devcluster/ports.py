@@ -44,6 +44,12 @@ use") servers say when the port was taken."""
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
 _LOW_PORT = 10000
+RENDEZVOUS_PORTS = range(29400, 30500)
+"""Never handed out by :func:`free_port`: ctj's operator gives each attempt's rank 0 a
+rendezvous port in 29500-30499 (``ctj_operator.builders.master_port``), torchrun's default
+is 29400, and torch's TCPStore binds them on every address. The simulated nodes' pods share
+this host's network namespace, so a test's server there (or a test rank's store, beside
+the cluster tier) would fail the rank 0 of a job in the cluster tier, or be failed by it."""
 
 T = TypeVar("T", ManagedProcess, "subprocess.Popen[Any]")
 
@@ -76,12 +82,13 @@ def free_port() -> int:
 
     Still a race (use :func:`retry_on_bind_conflict` to start a server on it), but a small
     one: it is drawn at random from below the kernel's ephemeral range when there is room,
-    so outgoing connections and bind(0) callers, the usual thieves, never get it."""
+    so outgoing connections and bind(0) callers, the usual thieves, never get it; and
+    never from :data:`RENDEZVOUS_PORTS`."""
     high = _ephemeral_low()
     if high - _LOW_PORT >= 1000:
         for _ in range(50):
             port = _LOW_PORT + secrets.randbelow(high - _LOW_PORT)
-            if _bindable(port):
+            if port not in RENDEZVOUS_PORTS and _bindable(port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
