@@ -168,7 +168,7 @@ e2e_lane() {
 }
 lint
 if (( $# == 0 )); then
-  rc=0 lanes=() lane_outs=() chaos_args=()
+  rc=0 chaos_args=()
   # lane FUNCTION: run it in the background, its output to a file printed at the end
   lane() {
     local out; out="$(mktemp)"
