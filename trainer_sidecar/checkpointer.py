@@ -47,7 +47,7 @@ import torch
 
 from . import __version__, collectives
 from .config import CheckpointConfig, job_staging_dir
-from .errors import CheckpointError, SaveFailed
+from .errors import CheckpointError, SaveFailed, StoreUnavailable
 from .format.manifest import Manifest, SaveIdentity
 from .liveness import Pulse
 from .load import resume
@@ -107,13 +107,18 @@ class PendingSave:
         self._result: SaveResult | None = None
 
     def done(self) -> bool:
-        """True once the save is committed or has failed (a non-blocking check)."""
+        """True once the save is committed or has failed (a non-blocking check). False
+        while the store does not answer: a training loop that asks is not ended by an
+        outage the persister rides out (it tries the save again until the store is back)."""
         if self._result is not None:
             return True
         if self._completion is not None and self._completion.done():
             if self._completion.exception() is not None or self._completion.result() is not None:
                 return True
-        return commits.outcome(self.store, self.step, self.save) is not None
+        try:
+            return commits.outcome(self.store, self.step, self.save) is not None
+        except StoreUnavailable:
+            return False
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """The committed checkpoint's figures; raises SaveFailed (a CheckpointError) if
@@ -144,7 +149,13 @@ class PendingSave:
     def _poll(self, deadline: float, limit: float) -> Manifest:
         delay = 0.005
         while True:
-            found = commits.outcome(self.store, self.step, self.save)
+            try:
+                found = commits.outcome(self.store, self.step, self.save)
+            except StoreUnavailable as exc:  # waited out until the deadline, as in the persister
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("step %d: %s; asking again", self.step, exc)
+                found = None
             if isinstance(found, SaveFailed):
                 raise found
             if found is not None:

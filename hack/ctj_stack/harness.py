@@ -221,11 +221,16 @@ class Harness(ABC):
         )  # fmt: skip
         return found
 
-    def describe(self, namespace: str, name: str) -> str:
-        """The job's status and where its pods are: what a timeout reports."""
+    def describe(self, namespace: str, name: str, tail: int = 15) -> str:
+        """The job's status, where its pods are and the last ``tail`` lines of each of their
+        containers' logs: what a timeout reports."""
         lines = [json.dumps(self.status(namespace, name), indent=1)]
         for pod in self.pods(namespace, name):
             lines.append(f"{pod.metadata.name} on {pod.spec.node_name}: {pod.status.phase}")
+            for container in pod.spec.containers:
+                text = self.container_log(namespace, pod.metadata.name, container.name) or ""
+                last = text.splitlines()[-tail:]
+                lines += [f"  [{container.name}] {line}" for line in last]
         return "\n".join(lines)
 
     def children(self, namespace: str, name: str) -> list[str]:

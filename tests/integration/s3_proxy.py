@@ -16,13 +16,21 @@ next requests it applies to (``inject_next``):
   and half the body, then close;
 - ``conflict``: 409 ConditionalRequestConflict to a PUT with If-None-Match
   (S3's answer when two conditional writes race), nothing forwarded;
-- ``lost_reply``: forward, let the server act, then reset instead of replying.
+- ``lost_reply``: forward, let the server act, then reset instead of replying;
+- ``access_denied``: 403 AccessDenied, nothing forwarded (a failure that is not the
+  server's being away: never retried).
+
+``outage(method, marker, seconds)`` is the server gone for a while (its pod deleted and
+started again): from the first request with that method whose request line contains
+``marker``, every request that arrives within ``seconds`` is answered with a TCP reset,
+that one included (counted as ``outage``).
 
 ``hold(method, marker)`` holds requests instead (a request slow to arrive): each one
 with that method whose request line contains ``marker`` is read whole, then forwarded
 only once ``release()`` is called; ``holding`` is set when the first one is held.
 
-The first five are ``DEFAULT_FAULTS``. ``drop_if_none_match=True`` strips the
+The first five are ``DEFAULT_FAULTS``; ``ALL_FAULTS`` are those a client rides out, the
+ones before ``access_denied``. ``drop_if_none_match=True`` strips the
 If-None-Match header: a server that ignores conditional writes (moto does not
 check signatures, so the signed header's absence goes unnoticed).
 ``injected`` counts what was done, ``requests`` what arrived.
@@ -36,6 +44,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from typing import BinaryIO
 from urllib.parse import urlsplit
@@ -47,10 +56,12 @@ DEFAULT_FAULTS = (
     "reset_mid_body",
     "short_body",
 )
-ALL_FAULTS = (*DEFAULT_FAULTS, "conflict", "lost_reply")
+ALL_FAULTS = (*DEFAULT_FAULTS, "conflict", "lost_reply")  # every one a client rides out
+REFUSALS = ("access_denied",)  # injected only when asked for (inject_next)
 _ERRORS = {
     "slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
     "internal_error": (500, "Internal Server Error", "InternalError", "We encountered an error."),
+    "access_denied": (403, "Forbidden", "AccessDenied", "Access Denied"),
     "conflict": (
         409,
         "Conflict",
@@ -142,7 +153,7 @@ class FaultProxy:
         faults: Sequence[str] = DEFAULT_FAULTS,
         seed: int = 0,
     ) -> None:
-        unknown = set(faults) - set(ALL_FAULTS)
+        unknown = set(faults) - {*ALL_FAULTS, *REFUSALS}
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}: choose from {ALL_FAULTS}")
         parts = urlsplit(upstream)
@@ -156,6 +167,8 @@ class FaultProxy:
         self._injected: collections.Counter[str] = collections.Counter()
         self._requests = 0
         self._hold: tuple[str, bytes] | None = None
+        self._outage: tuple[str, bytes, float] | None = None
+        self._outage_ends: float | None = None  # monotonic, once the outage began
         self.holding = threading.Event()
         self._released = threading.Event()
         proxy = self
@@ -184,11 +197,24 @@ class FaultProxy:
 
     def inject_next(self, *faults: str) -> None:
         """Queue faults, each for the next request it applies to (before any random draw)."""
-        unknown = set(faults) - set(ALL_FAULTS)
+        unknown = set(faults) - {*ALL_FAULTS, *REFUSALS}
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}")
         with self._lock:
             self._queued.extend(faults)
+
+    def outage(self, method: str, marker: str, seconds: float) -> None:
+        """Reset every request for ``seconds`` from the first one with ``method`` whose
+        request line contains ``marker``."""
+        self._outage = (method, marker.encode(), seconds)
+
+    def _in_outage(self, req: _Request) -> bool:
+        with self._lock:
+            if self._outage_ends is None and self._outage is not None:
+                method, marker, seconds = self._outage
+                if req.method == method and marker in req.head[0]:
+                    self._outage_ends = time.monotonic() + seconds
+            return self._outage_ends is not None and time.monotonic() < self._outage_ends
 
     def hold(self, method: str, marker: str) -> None:
         """Hold every request with ``method`` whose request line contains ``marker``."""
@@ -268,6 +294,10 @@ class FaultProxy:
         req = _Request(head, None, -1 if chunked else (_content_length(head) or 0))
         if (req.header("expect") or "").lower() == "100-continue":
             client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self._in_outage(req):
+            self._count("outage")
+            _reset(client)
+            return False
         fault = self._choose(req)
         if fault == "reset_mid_body":
             f.read(req.body_length // 2)

@@ -318,6 +318,24 @@ def save_while_rank1_store_fails(args: dict[str, Any]) -> None:
     ckpt.close(timeout=5)
 
 
+def save_while_rank1_store_is_down(args: dict[str, Any]) -> None:
+    """Rank 1 reaches the store through a proxy that is down for a while from its first
+    upload on (longer than its own retries): the save must commit once the store is back,
+    on every rank, not fail."""
+    model, opt = build(args["kind"], seed=0)
+    overrides = dict(args.get("config", {}))
+    if dist.get_rank() == 1:
+        overrides.update(endpoint_url=args["rank1_endpoint"], parallelism=1)
+    ckpt = Checkpointer(CheckpointConfig(uri=args["uri"], **overrides))
+    started = time.monotonic()
+    pending = ckpt.save(1, model=model, optimizer=opt, extra={"step": 1})
+    assert pending is not None
+    result = pending.result(timeout=args["wait_s"])
+    print(f"rank {dist.get_rank()} committed step {result.step} in "
+          f"{time.monotonic() - started:.1f}s")  # fmt: skip
+    ckpt.close(timeout=5)
+
+
 def _node_config(args: dict[str, Any]) -> CheckpointConfig:
     """This rank's node: its cache directory, and the peers' cache servers (if any)."""
     rank = dist.get_rank()

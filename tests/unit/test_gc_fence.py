@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 
 import pytest
 
+from trainer_sidecar.errors import StoreUnavailable
 from trainer_sidecar.store import gc_fence
 from trainer_sidecar.store.gc_fence import (
     BUDGET_S,
@@ -110,6 +111,33 @@ def test_a_run_that_sweeps_after_the_saves_hold_spares_its_chunks() -> None:
     assert CHUNK in store.objects and OTHER not in store.objects
     fence.release()
     assert not list(store.list(gc_fence.HOLDS))
+
+
+class SweepUnreadable(MemoryStore):
+    """The store down while the fence reads a run's sweep, once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outage = True
+
+    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+        if self.outage and key == marker_key("a", Phase.SWEEPING):
+            self.outage = False
+            raise StoreUnavailable("the S3 endpoint is unreachable (a test's outage)")
+        return super().get(key, byte_range=byte_range)
+
+
+def test_a_sweep_unread_while_the_store_is_down_is_not_taken_as_empty() -> None:
+    store = SweepUnreadable()
+    store.put(CHUNK, b"old and unnamed: the run dooms it")
+    swept(store, "a", CHUNK)
+    timeline = Timeline(store, lambda: finish(store, "a", CHUNK))
+    fence = SaveFence(store, "s", sleep=timeline.sleep)
+    store.put(CHUNK, b"the save stores it again")
+    with pytest.raises(StoreUnavailable):
+        settle(fence, {CHUNK})
+    # the store back, the save settles again: the run is still followed, not settled
+    assert settle(fence, {CHUNK}) == [{CHUNK}]
 
 
 def test_a_run_whose_sweep_names_none_of_the_saves_chunks_is_not_awaited() -> None:

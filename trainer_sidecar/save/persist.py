@@ -13,9 +13,17 @@ part is stored, rank 0's only once the commit is decided. So a sidecar killed
 after every part was stored still holds rank 0's slot at its next start, and
 commits then (or finds that its first commit had landed).
 
-A rank whose upload fails, and a commit that fails, leave a ``.failed`` marker
-under the save: the committer stops waiting for that save at once, and every
-rank's ``PendingSave.result()`` learns it within a poll.
+A store that is unavailable (``StoreUnavailable``: one request's retries spent) delays
+the save instead of failing it: the upload and the commit are tried again until the
+store answers, within the save's commit timeout (``_patiently``). A store gone for
+seconds (its pod restarted, a network blip) costs that save seconds, not the save; and
+a rank that gave up meanwhile could not tell the committer (its failure marker is
+stored in the same store), which would wait out its commit timeout while the training
+loop waited for the slot.
+
+A rank whose upload fails for another reason, and a commit that fails, leave a
+``.failed`` marker under the save: the committer stops waiting for that save at once,
+and every rank's ``PendingSave.result()`` learns it within a poll.
 
 Stopping: ``run(stop)`` returns once ``stop`` is set and nothing is staged. A
 shutdown with a deadline (SIGTERM grace) finishes what is staged if it can;
@@ -31,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from ..config import CheckpointConfig
 from ..errors import (
@@ -38,6 +47,7 @@ from ..errors import (
     CorruptCheckpointError,
     NoCheckpointError,
     SaveFailed,
+    StoreUnavailable,
     UploadAborted,
 )
 from ..format.manifest import ChunkRef, Manifest, SaveIdentity
@@ -52,6 +62,8 @@ from . import slots
 from .uploader import StagedFile, UploadSettings, upload_rank
 
 log = logging.getLogger("ctj.persist")
+T = TypeVar("T")
+STORE_RETRY_CAP_S = 5.0  # the longest wait between two tries of an unavailable store
 
 Watched = tuple[int, SaveIdentity, int]  # step, save, rank
 
@@ -198,20 +210,26 @@ class Persister:
         started = time.monotonic()
         log.info("uploading step %d (rank %d, %s)", staged.step, staged.rank, staged.save)
         files = [StagedFile(name, str(slot / name), items) for name, items in staged.files]
-        # before anything is stored (gc_fence.py, S1); the hold is this rank's of this save
-        fence = SaveFence(self.store, f"{staged.step}-{staged.save.key}-{staged.rank}")
-        part = upload_rank(
-            self.store,
-            step=staged.step,
-            rank=staged.rank,
-            save=staged.save,
-            world_size=staged.world_size,
-            files=files,
-            reference=self._reference_chunks(staged),
-            settings=self.settings,
-            should_stop=self._past_deadline,
-            cache=self.cache,
-            fence=fence,
+        # before anything is stored (gc_fence.py, S1), once: a second try keeps it (its hold
+        # is in place from the first try's S2 on); the hold is this rank's of this save
+        owner = f"{staged.step}-{staged.save.key}-{staged.rank}"
+        fence = self._patiently(staged, "opening the fence", lambda: SaveFence(self.store, owner))
+        part = self._patiently(
+            staged,
+            "uploading",
+            lambda: upload_rank(
+                self.store,
+                step=staged.step,
+                rank=staged.rank,
+                save=staged.save,
+                world_size=staged.world_size,
+                files=files,
+                reference=self._reference_chunks(staged),
+                settings=self.settings,
+                should_stop=self._past_deadline,
+                cache=self.cache,
+                fence=fence,
+            ),
         )
         self.metrics.observe_upload(time.monotonic() - started, staged.rank)
         self.metrics.bytes.labels(kind="uploaded").inc(part.uploaded_bytes)
@@ -231,14 +249,7 @@ class Persister:
         self._wait_for_parts(staged)
         if self._past_deadline():
             raise UploadAborted(f"step {staged.step}: shutdown grace ran out before the commit")
-        manifest = commits.commit(
-            self.store,
-            staged.plan,
-            world_size=staged.world_size,
-            block_size=self.config.block_size,
-            timings={"stage": staged.stage_seconds, "persist": time.time() - staged.staged_at},
-            versions=self.versions,
-        )
+        manifest = self._patiently(staged, "committing", lambda: self._commit_once(staged))
         slots.write_state(self.root, Committed.of(manifest), self.config.uri)
         self._committed(manifest)
         self.metrics.commit.observe(max(0.0, time.time() - staged.staged_at))
@@ -256,6 +267,46 @@ class Persister:
         self._retention(manifest.step)
         return manifest
 
+    def _commit_once(self, staged: slots.StagedCheckpoint) -> Manifest:
+        """Write the manifest; tried again after the store was unavailable, so first asks
+        whether an earlier try had committed (its parts are deleted once it has)."""
+        decided = commits.outcome(self.store, staged.step, staged.save)
+        if isinstance(decided, Manifest):
+            return decided
+        if isinstance(decided, SaveFailed):
+            raise decided
+        return commits.commit(
+            self.store,
+            staged.plan,
+            world_size=staged.world_size,
+            block_size=self.config.block_size,
+            timings={"stage": staged.stage_seconds, "persist": time.time() - staged.staged_at},
+            versions=self.versions,
+        )
+
+    def _patiently(self, staged: slots.StagedCheckpoint, doing: str, call: Callable[[], T]) -> T:
+        """``call()``, tried again while the store is unavailable, until the save's commit
+        timeout (counted from its staging), the shutdown deadline or its attempt's end;
+        then the last StoreUnavailable (see the module's docstring)."""
+        give_up = staged.staged_at + self.config.commit_timeout_s
+        delay = 0.5
+        while True:
+            try:
+                return call()
+            except StoreUnavailable as exc:
+                if (
+                    time.time() + delay >= give_up
+                    or self._past_deadline()
+                    or self._attempt_over(staged.save)
+                ):
+                    raise
+                log.warning(
+                    "step %d (rank %d): %s; %s again in %.1fs",
+                    staged.step, staged.rank, exc, doing, delay,
+                )  # fmt: skip
+                time.sleep(delay)
+                delay = min(delay * 2, STORE_RETRY_CAP_S)
+
     def _wait_for_parts(self, staged: slots.StagedCheckpoint) -> None:
         """Poll the save's parts: until all are there, one says it failed, or the commit
         timeout passes. Meanwhile the other ranks this persister serves are uploaded as
@@ -268,7 +319,11 @@ class Persister:
         while True:
             if self._upload_other_ranks():
                 delay = 0.01
-            state = commits.progress(self.store, staged.step, staged.save)
+            try:
+                state = commits.progress(self.store, staged.step, staged.save)
+            except StoreUnavailable as exc:  # the parts may be on their way: ask again
+                log.warning("step %d: %s; asking again", staged.step, exc)
+                state = commits.Progress(ranks=frozenset(), failed=())  # nothing known
             if state.failed:
                 why = commits.failure_reasons(self.store, staged.step, staged.save, state.failed)
                 raise SaveFailed(f"step {staged.step}: not committing, {why}")

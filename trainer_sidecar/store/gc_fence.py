@@ -38,7 +38,7 @@ import secrets
 import time
 from collections.abc import Callable, Collection, Iterable
 
-from ..errors import CheckpointError, ObjectNotFound
+from ..errors import CheckpointError, ObjectNotFound, StoreUnavailable
 from .base import ObjectInfo, ObjectStore, read_bounded
 
 log = logging.getLogger(__name__)
@@ -285,6 +285,8 @@ class SaveFence:
             return read_keys(self._store, key, f"gc run {run.run}'s sweep")
         except ObjectNotFound:  # forgotten meanwhile: over long ago
             return frozenset()
+        except StoreUnavailable:  # unread is not empty: the save settles again, or fails
+            raise
         except CheckpointError as exc:  # ours are never unreadable; someone else's may be
             log.warning("%s: assuming it deleted nothing", exc)
             return frozenset()
