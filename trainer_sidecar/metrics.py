@@ -116,7 +116,8 @@ class CheckpointMetrics:
         )
         self.failures = Counter(
             "ctj_checkpoint_failures",
-            "Checkpoint failures by stage (restore counts fallbacks).",
+            "Checkpoint failures by stage (restore counts fallbacks; upload and commit count"
+            " each try the store did not answer, which the save makes again).",
             ["stage"],
             registry=r,
         )

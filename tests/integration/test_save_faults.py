@@ -74,27 +74,34 @@ def test_a_save_failing_on_one_rank_is_known_to_every_rank_within_seconds(
     assert repo.committed_steps(Checkpointer(CheckpointConfig(uri=s3_uri)).store) == []
 
 
+@pytest.mark.parametrize(
+    "proxied_rank, marker",
+    [(1, ""), (0, "/manifests/")],
+    ids=["rank-1s-upload", "rank-0s-commit"],
+)
 def test_a_store_gone_for_longer_than_the_retries_delays_the_save_not_fails_it(
-    s3_uri: str, s3_proxy: Callable[..., FaultProxy]
+    s3_uri: str, s3_proxy: Callable[..., FaultProxy], proxied_rank: int, marker: str
 ) -> None:
-    """Rank 1's store is down for 12 s from its first upload (an S3 pod deleted and
-    started again), far longer than its two attempts per request: its upload is tried
-    again until the store is back, and the save commits on both ranks within seconds of
-    that. Before, rank 1 gave the save up, could not record why (the store was down), and
-    rank 0 waited out the commit timeout for its part (the e2e tier's durable-store test
-    saw a job train no further for minutes)."""
+    """One rank's store is down for 12 s (an S3 pod deleted and started again), far longer
+    than its two attempts per request: from rank 1's first upload, or from rank 0's first
+    manifest write (the commit). That rank tries again until the store is back, and the
+    save commits on both ranks within seconds of that. Before, rank 1 gave the save up,
+    could not record why (the store was down), and rank 0 waited out the commit timeout
+    for its part (the e2e tier's durable-store test saw a job train no further for
+    minutes); rank 0 failed its commit."""
     outage_s = 12.0
     proxy = s3_proxy()
-    proxy.outage("PUT", "", outage_s)
+    proxy.outage("PUT", marker, outage_s)
     args = {
         "kind": "fsdp",
         "uri": s3_uri,
-        "rank1_endpoint": proxy.endpoint,
+        "proxied_rank": proxied_rank,
+        "proxy_endpoint": proxy.endpoint,
         "config": {"commit_timeout_s": 90},  # the backstop must not be what ends it
         "wait_s": 120,
     }
     outs = run_ranks(
-        2, "tests.integration.workers:save_while_rank1_store_is_down", args,
+        2, "tests.integration.workers:save_while_one_ranks_store_is_down", args,
         env={"CTJ_S3_MAX_ATTEMPTS": "2"},
     )  # fmt: skip
     assert proxy.injected.get("outage", 0) >= 2, proxy.injected  # it was down, and retried

@@ -318,14 +318,14 @@ def save_while_rank1_store_fails(args: dict[str, Any]) -> None:
     ckpt.close(timeout=5)
 
 
-def save_while_rank1_store_is_down(args: dict[str, Any]) -> None:
-    """Rank 1 reaches the store through a proxy that is down for a while from its first
-    upload on (longer than its own retries): the save must commit once the store is back,
-    on every rank, not fail."""
+def save_while_one_ranks_store_is_down(args: dict[str, Any]) -> None:
+    """Rank ``args["proxied_rank"]`` reaches the store through a proxy that is down for a
+    while (longer than its own retries): the save must commit once the store is back, on
+    every rank, not fail."""
     model, opt = build(args["kind"], seed=0)
     overrides = dict(args.get("config", {}))
-    if dist.get_rank() == 1:
-        overrides.update(endpoint_url=args["rank1_endpoint"], parallelism=1)
+    if dist.get_rank() == args["proxied_rank"]:
+        overrides.update(endpoint_url=args["proxy_endpoint"], parallelism=1)
     ckpt = Checkpointer(CheckpointConfig(uri=args["uri"], **overrides))
     started = time.monotonic()
     pending = ckpt.save(1, model=model, optimizer=opt, extra={"step": 1})

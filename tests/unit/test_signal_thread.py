@@ -1,4 +1,4 @@
-"""The sidecar handles SIGTERM on a thread of its own (sidecar.SignalThread), never inside
+"""The sidecar handles SIGTERM on a thread of its own (signals.SignalThread), never inside
 a Python signal handler: a handler runs in the main thread between two bytecodes, maybe
 while that thread holds the lock of the very Event the handler would set (the chaos test
 caught a sidecar hung so, in ``Event.wait`` inside ``Persister.run``)."""
@@ -13,7 +13,7 @@ from tests.conftest import ROOT
 
 CHILD = r"""
 import signal, sys, threading, time
-from trainer_sidecar.sidecar import SignalThread
+from trainer_sidecar.signals import SignalThread
 
 main = threading.main_thread()
 wake = threading.Event()

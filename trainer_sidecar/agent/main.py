@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ctj_contract.tokens import read_key
 
+from ..signals import SignalThread
 from .gc import Collector, FileJobLister, KubeJobLister
 from .server import serve_agent
 from .store import NodeStore
@@ -108,9 +109,8 @@ def run(args: argparse.Namespace) -> int:
         lister = KubeJobLister(f"https://{address}:{port}", namespaces=args.namespace)
         collector = Collector(store, lister, period_s=args.gc_period).start()
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    with SignalThread((signal.SIGTERM, signal.SIGINT), lambda _: stop.set()):
+        stop.wait()
     log.info("stopping")
     if collector is not None:
         collector.stop()
@@ -156,9 +156,8 @@ def run_mounter(args: argparse.Namespace) -> int:
     )  # fmt: skip
     servers = serve(driver)
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    with SignalThread((signal.SIGTERM, signal.SIGINT), lambda _: stop.set()):
+        stop.wait()
     log.info("stopping")
     for server in reversed(servers):
         server.stop(grace=5).wait()

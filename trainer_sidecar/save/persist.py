@@ -213,11 +213,11 @@ class Persister:
         # before anything is stored (gc_fence.py, S1), once: a second try keeps it (its hold
         # is in place from the first try's S2 on); the hold is this rank's of this save
         owner = f"{staged.step}-{staged.save.key}-{staged.rank}"
-        fence = self._patiently(staged, "opening the fence", lambda: SaveFence(self.store, owner))
+        fence = self._patiently(staged, "upload", lambda _: SaveFence(self.store, owner))
         part = self._patiently(
             staged,
-            "uploading",
-            lambda: upload_rank(
+            "upload",
+            lambda _: upload_rank(
                 self.store,
                 step=staged.step,
                 rank=staged.rank,
@@ -249,7 +249,7 @@ class Persister:
         self._wait_for_parts(staged)
         if self._past_deadline():
             raise UploadAborted(f"step {staged.step}: shutdown grace ran out before the commit")
-        manifest = self._patiently(staged, "committing", lambda: self._commit_once(staged))
+        manifest = self._patiently(staged, "commit", lambda n: self._commit_once(staged, n))
         slots.write_state(self.root, Committed.of(manifest), self.config.uri)
         self._committed(manifest)
         self.metrics.commit.observe(max(0.0, time.time() - staged.staged_at))
@@ -267,14 +267,15 @@ class Persister:
         self._retention(manifest.step)
         return manifest
 
-    def _commit_once(self, staged: slots.StagedCheckpoint) -> Manifest:
-        """Write the manifest; tried again after the store was unavailable, so first asks
-        whether an earlier try had committed (its parts are deleted once it has)."""
-        decided = commits.outcome(self.store, staged.step, staged.save)
-        if isinstance(decided, Manifest):
-            return decided
-        if isinstance(decided, SaveFailed):
-            raise decided
+    def _commit_once(self, staged: slots.StagedCheckpoint, attempt: int) -> Manifest:
+        """Write the manifest. A try after the first (the store was unavailable) first asks
+        whether an earlier one had committed: its parts are deleted once it has."""
+        if attempt > 1:
+            decided = commits.outcome(self.store, staged.step, staged.save)
+            if isinstance(decided, Manifest):
+                return decided
+            if isinstance(decided, SaveFailed):
+                raise decided
         return commits.commit(
             self.store,
             staged.plan,
@@ -284,15 +285,20 @@ class Persister:
             versions=self.versions,
         )
 
-    def _patiently(self, staged: slots.StagedCheckpoint, doing: str, call: Callable[[], T]) -> T:
-        """``call()``, tried again while the store is unavailable, until the save's commit
-        timeout (counted from its staging), the shutdown deadline or its attempt's end;
-        then the last StoreUnavailable (see the module's docstring)."""
+    def _patiently(
+        self, staged: slots.StagedCheckpoint, stage: str, call: Callable[[int], T]
+    ) -> T:
+        """``call(attempt)`` (from 1), tried again while the store is unavailable, until the
+        save's commit timeout (counted from its staging), the shutdown deadline or its
+        attempt's end; then the last StoreUnavailable (see the module's docstring). Each
+        try the store did not answer counts as a failure at ``stage`` (upload, commit):
+        the failure alert fires for a store that is down while the save waits for it."""
         give_up = staged.staged_at + self.config.commit_timeout_s
         delay = 0.5
+        attempt = 1
         while True:
             try:
-                return call()
+                return call(attempt)
             except StoreUnavailable as exc:
                 if (
                     time.time() + delay >= give_up
@@ -300,12 +306,14 @@ class Persister:
                     or self._attempt_over(staged.save)
                 ):
                     raise
+                self.metrics.count_failure(stage)
                 log.warning(
-                    "step %d (rank %d): %s; %s again in %.1fs",
-                    staged.step, staged.rank, exc, doing, delay,
+                    "step %d (rank %d): %s; the %s is tried again in %.1fs",
+                    staged.step, staged.rank, exc, stage, delay,
                 )  # fmt: skip
                 time.sleep(delay)
                 delay = min(delay * 2, STORE_RETRY_CAP_S)
+                attempt += 1
 
     def _wait_for_parts(self, staged: slots.StagedCheckpoint) -> None:
         """Poll the save's parts: until all are there, one says it failed, or the commit
@@ -322,6 +330,7 @@ class Persister:
             try:
                 state = commits.progress(self.store, staged.step, staged.save)
             except StoreUnavailable as exc:  # the parts may be on their way: ask again
+                self.metrics.count_failure("commit")
                 log.warning("step %d: %s; asking again", staged.step, exc)
                 state = commits.Progress(ranks=frozenset(), failed=())  # nothing known
             if state.failed:
