@@ -25,6 +25,12 @@ from .harness import Harness
 # Long enough never to finish during a scenario; slow enough to read, fast enough to save
 # every few seconds (the example saves every 10 steps).
 TRAINING = {"CTJ_TOTAL_STEPS": "1000000", "CTJ_STEP_DELAY_S": "0.2"}
+# No launcher standby (the example's CTJ_PRELOAD: a second Python process in every pod that
+# imports torch ahead of a restart in place), for the trainer's variables of a job whose
+# workers are never restarted in place: a controller's backend recreates its pods, and the
+# store, queue and network tests restart nothing. There it is only CPU, which the test
+# tiers share on 2 cores. The pods backend's lifecycle and the warm spare keep it.
+NO_STANDBY = {"CTJ_PRELOAD": ""}
 
 
 def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from ctj_stack import Stack
-from ctj_stack.scenario import TRAINING
+from ctj_stack.scenario import NO_STANDBY, TRAINING
 from ctj_stack.stack import S3_NAMESPACE, S3_SERVER
 
 JOB = "durable"
@@ -78,7 +78,7 @@ def training_job(
 ) -> Iterator[dict[str, Any]]:
     """The example job at world size 2, keeping every checkpoint (keepLast 0: none is
     retired while the test reads them), with 3 committed. Deleted at the end."""
-    job = stack.example_job(JOB, "pods", **TRAINING)
+    job = stack.example_job(JOB, "pods", **TRAINING, **NO_STANDBY)
     job["spec"].update(replicas=WORLD)
     job["spec"]["checkpoint"]["keepLast"] = 0
 

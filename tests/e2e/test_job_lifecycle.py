@@ -26,7 +26,7 @@ import pytest
 from ctj_contract import LABEL_RANK
 from ctj_operator.builders import METRICS_PORT, SIDECAR_NAME
 from ctj_stack import NodeControl, Stack
-from ctj_stack.scenario import Lifecycle
+from ctj_stack.scenario import NO_STANDBY, TRAINING, Lifecycle
 
 # the sidecar serves on the pod IP only (CTJ_METRICS_HOST, from status.podIP)
 SCRAPE = (
@@ -75,6 +75,7 @@ class TestJobLifecycle:
 
     JOB = "demo"
     BACKEND = "pods"
+    STANDBY = True  # the example's launcher standby, which a restart in place takes
     state: dict[str, Lifecycle] = {}
 
     @pytest.fixture
@@ -82,9 +83,12 @@ class TestJobLifecycle:
         # a 10 s scale-up window (the example's 30 s, as the demo shows it, would only be
         # waited out: the window itself is the cluster tier's to check)
         scale_up = {"scaleUp": {"stabilizationSeconds": 10}}
+        training = TRAINING if self.STANDBY else {**TRAINING, **NO_STANDBY}
         return self.state.setdefault(
-            "lifecycle", Lifecycle(stack, job_namespace, self.JOB, self.BACKEND, spec=scale_up)
-        )
+            "lifecycle",
+            Lifecycle(stack, job_namespace, self.JOB, self.BACKEND, training=training,
+                      spec=scale_up),
+        )  # fmt: skip
 
     def test_the_example_job_commits_checkpoints(
         self, scenario: Lifecycle, operator_installed: str
@@ -148,6 +152,8 @@ class TestJobLifecycle:
 class _ControllerBackend(TestJobLifecycle):
     """A backend whose attempts another controller runs from one object: the steps that
     only the operator and the sidecar decide, whoever made the pods, run once above."""
+
+    STANDBY = False  # every attempt's pods are new: no restart in place takes a standby
 
     # Not repeated here: `kubectl scale` is a planned restart at a new size, the path the
     # node's return (ScaleUp) has just taken with this backend (a planned stop, a new

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from ctj_stack import Stack
-from ctj_stack.scenario import TRAINING, condition
+from ctj_stack.scenario import NO_STANDBY, TRAINING, condition
 
 KUEUE = "kueue.x-k8s.io/v1beta2"
 KUEUE_API = ("kueue.x-k8s.io", "v1beta2")
@@ -60,7 +60,7 @@ def kueue(stack: Stack, operator_installed: str) -> Iterator[None]:
 
 
 def _queued(stack: Stack, name: str, priority: str, replicas: int, minimum: int) -> dict[str, Any]:
-    job = stack.example_job(name, **TRAINING)
+    job = stack.example_job(name, **TRAINING, **NO_STANDBY)
     job["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": QUEUE,
                                  "kueue.x-k8s.io/priority-class": priority}  # fmt: skip
     job["spec"].update(replicas=replicas, minReplicas=minimum, maxReplicas=max(replicas, 3))

@@ -29,6 +29,7 @@ from ctj_operator.network_policy import (
     network_policy_name,
 )
 from ctj_stack import Stack
+from ctj_stack.scenario import NO_STANDBY
 from ctj_stack.stack import OPERATOR_NAMESPACE
 
 JOB = "netpol"
@@ -137,7 +138,7 @@ def outside(stack: Stack) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def ranks(stack: Stack, operator_installed: str, job_namespace: str) -> list[Any]:
     """The job's two rank pods, Running (their sidecars serve both ports)."""
-    job = stack.example_job(JOB, CTJ_TOTAL_STEPS="1000000")
+    job = stack.example_job(JOB, CTJ_TOTAL_STEPS="1000000", **NO_STANDBY)
     job["spec"].update({"replicas": 2, "minReplicas": 1, "maxReplicas": 2})
     stack.apply_job(job_namespace, job)
     status = stack.wait_running(job_namespace, JOB, world=2, after=-1)

@@ -16,7 +16,7 @@ import pytest
 from ctj_contract import LABEL_JOB, NODE_CACHE_MOUNT_PATH
 from ctj_operator.builders import SIDECAR_NAME
 from ctj_stack import Stack
-from ctj_stack.scenario import TRAINING
+from ctj_stack.scenario import NO_STANDBY, TRAINING
 
 JOB = "agentgc"
 WORLD = 2
@@ -89,7 +89,7 @@ def test_a_deleted_jobs_cache_is_gone_from_every_node_within_the_bound(
         raise AssertionError(f"{exc}\n{listed}\n{described[-6000:]}") from None
     pods = agent_pods(stack, operator_installed)
     assert pods, "the chart installed no node agent"
-    job = stack.example_job(JOB, "pods", **TRAINING)
+    job = stack.example_job(JOB, "pods", **TRAINING, **NO_STANDBY)
     job["spec"].update(replicas=WORLD)
     stack.apply_job(job_namespace, job)
 
