@@ -63,6 +63,7 @@ from .store import repository
 from .store.base import ObjectStore
 
 log = logging.getLogger("ctj.checkpoint")
+DONE_POLL_S = 0.5  # PendingSave.done(): the store is asked at most this often per save
 
 __all__ = ["Checkpointer", "LoadResult", "PendingSave", "SaveResult"]
 
@@ -105,16 +106,26 @@ class PendingSave:
         self._completion = completion
         self._default_timeout_s = default_timeout_s
         self._result: SaveResult | None = None
+        self._next_poll = 0.0  # monotonic: done() asks the store again no sooner
 
     def done(self) -> bool:
-        """True once the save is committed or has failed (a non-blocking check). False
-        while the store does not answer: a training loop that asks is not ended by an
-        outage the persister rides out (it tries the save again until the store is back)."""
+        """True once the save is committed or has failed (a non-blocking check).
+
+        Where the answer is another process's (a sidecar's commit, rank 0's for other
+        ranks), it is the store's, asked at most every ``DONE_POLL_S``: a loop that asks
+        at every step would otherwise send a few requests per step per rank (the test
+        tiers' trainers did, at five steps a second). False while the store does not
+        answer: a training loop that asks is not ended by an outage the persister rides
+        out (it tries the save again until the store is back)."""
         if self._result is not None:
             return True
         if self._completion is not None and self._completion.done():
             if self._completion.exception() is not None or self._completion.result() is not None:
                 return True
+        now = time.monotonic()
+        if now < self._next_poll:
+            return False
+        self._next_poll = now + DONE_POLL_S
         try:
             return commits.outcome(self.store, self.step, self.save) is not None
         except StoreUnavailable:

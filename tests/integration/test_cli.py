@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -306,16 +306,19 @@ def test_an_unreachable_endpoint_is_reported_within_seconds(
     kind: str, request: pytest.FixtureRequest, s3_env: dict[str, str]
 ) -> None:
     """With the default retries (the sidecar's, six attempts) the CLI's first contact
-    still gives up within seconds, saying what it tried."""
+    still gives up within seconds, saying what it tried and how long it took. The bound is
+    on that time, the error's own: the command's wall time adds the interpreter's start
+    and imports, which the test tiers beside this one can stretch past any bound (10.4 s
+    once, under three lanes); the subprocess's timeout bounds the whole."""
     endpoint = request.getfixturevalue(f"{kind}_endpoint")
-    started = time.monotonic()
     out = ctj(
         "checkpoints", "ls", "s3://some-bucket/jobs/x", env={"AWS_ENDPOINT_URL": endpoint},
-        timeout=20,
+        timeout=30,
     )  # fmt: skip
-    elapsed = time.monotonic() - started
     assert_one_line_error(out, endpoint, "bucket 'some-bucket'", "AWS_ENDPOINT_URL")
-    assert elapsed < 10, f"{kind}: reported after {elapsed:.1f}s"
+    spent = re.search(r"([0-9.]+) s in all", out.stderr)
+    assert spent, out.stderr
+    assert float(spent[1]) < 10, f"{kind}: gave up after {spent[1]} s"
 
 
 def test_json_on_every_command(s3_uri: str, tmp_path: Path) -> None:

@@ -6,10 +6,13 @@ import concurrent.futures as cf
 import dataclasses
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from trainer_sidecar import checkpointer
+from trainer_sidecar.checkpointer import PendingSave
 from trainer_sidecar.config import CheckpointConfig
 from trainer_sidecar.errors import CheckpointError, CommitConflict, ObjectExists, SaveFailed
 from trainer_sidecar.format.chunking import Span
@@ -34,6 +37,7 @@ from trainer_sidecar.save import slots
 from trainer_sidecar.save.persist import Persister
 from trainer_sidecar.store import commit as commits
 from trainer_sidecar.store import repository
+from trainer_sidecar.store.base import ObjectInfo
 from trainer_sidecar.store.memory import MemoryStore
 
 A1 = SaveIdentity("1", "aaaaaaaaaaaaaaaa")
@@ -401,3 +405,51 @@ def test_failure_markers_carry_the_reason_as_json() -> None:
     store = MemoryStore()
     commits.report_failure(store, STEP, A1, "rank-3", "boom")
     assert json.loads(store.get(failure_key(STEP, A1, "rank-3"))) == {"reason": "boom"}
+
+
+# -- what a training loop asks -----------------------------------------------------
+
+
+class RequestCountingStore(MemoryStore):
+    """A memory store counting its gets and lists: the requests an S3 store would send."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests = 0
+
+    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+        self.requests += 1
+        return super().get(key, byte_range=byte_range)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        self.requests += 1
+        return super().list(prefix)
+
+
+def test_a_loop_asking_done_at_every_step_asks_the_store_at_most_every_poll_period(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PendingSave.done() where another process commits (a sidecar; rank 0 for the other
+    ranks): the answer is the store's, asked at most every DONE_POLL_S, however often the
+    loop asks; the commit is seen at the first poll after it."""
+    store = RequestCountingStore()
+    staged = slots.StagedCheckpoint(
+        step=STEP, rank=1, world_size=2, plan=plan(A2), files=(), staged_at=time.time(),
+        stage_seconds=0.01,
+    )  # fmt: skip
+    pending = PendingSave(
+        store, staged, started=time.monotonic(), replanned=False, completion=None,
+        default_timeout_s=5,
+    )  # fmt: skip
+    clock = [100.0]
+    monkeypatch.setattr(checkpointer.time, "monotonic", lambda: clock[0])
+    assert not pending.done()
+    one_poll = store.requests  # the manifest, a retired one, the parts
+    assert one_poll > 0
+    assert not any(pending.done() for _ in range(1000))  # a loop's next thousand steps
+    assert store.requests == one_poll
+    store_parts(store, part(A2, 0, 2), part(A2, 1, 2))
+    do_commit(store, A2, 2)
+    assert not pending.done(), "not asked again within the period"
+    clock[0] += checkpointer.DONE_POLL_S
+    assert pending.done()
