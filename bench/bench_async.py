@@ -39,7 +39,10 @@ of state) in three variants: no checkpoints, ours every K steps, DCP sync saves
 variant ran in calm, so the variants take turns: N / K rounds, each running K steps of
 every variant (rotated order). A save comes after the first step of its K, so our upload
 overlaps the other K - 1; after each of our segments the benchmark waits for that save to
-commit (charged to ours, as "flush"). One warm-up save of each kind comes first (our slot
+commit (charged to ours, as "flush"). With ``--saves-per-segment M`` each variant's turn is
+M x K steps with a save every K, and ours waits once, for the last save, at the turn's end:
+a save that finds the one before still uploading waits for the staging slot inside the
+loop, so a checkpoint path that cannot keep up still shows. One warm-up save of each kind comes first (our slot
 allocated and touched, DCP's client made). Goodput = steps / (segments + flushes).
 
 Ratios are ours / anchor, except ``wallclock_reduction_vs_sync`` = 1 - ours / sync
@@ -133,6 +136,7 @@ class MlpShape:
     batch: int
     steps: int
     every: int  # checkpoint every K steps
+    saves: int = 1  # saves per variant's segment in a round; ours is flushed once, at its end
 
 
 # --------------------------------------------------------------------------- memory
@@ -558,12 +562,14 @@ def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
     step = 0
 
     def segment(save: Callable[[int], None] | None, stalls: list[float]) -> None:
-        """K steps; a save (if any) after the first, so its upload overlaps the other K - 1."""
+        """``saves`` x K steps; a save (if any) after the first of each K, so its upload
+        overlaps the other K - 1 (and, from the second save on, waits for the one before
+        if that has not committed: our staging slot is single)."""
         nonlocal step
-        for i in range(shape.every):
+        for i in range(shape.every * shape.saves):
             step += 1
             train_step()
-            if save is not None and i == 0:
+            if save is not None and i % shape.every == 0:
                 t0 = time.perf_counter()
                 save(step)
                 stalls.append(time.perf_counter() - t0)
@@ -573,7 +579,7 @@ def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
         flush_ours()
         if "dcp_sync" in variants:
             save_sync(0)
-        rounds = max(1, shape.steps // shape.every)
+        rounds = max(1, shape.steps // (shape.every * shape.saves))
         for r in range(rounds):
             for placement, cores in placements.items():
                 place(cores)
@@ -591,10 +597,10 @@ def run_goodput(args: dict[str, Any]) -> dict[str, Any]:
                     t.cpu += process_cpu_seconds() - cpu
                     t.server_cpu += cpu_of(server_pid) - server_cpu
                     t.sidecar_cpu += cpu_of(sidecar_pid) - sidecar_cpu
-                    t.saves += save is not None
+                    t.saves += shape.saves if save is not None else 0
     finally:
         ckpt.close()
-    steps = rounds * shape.every
+    steps = rounds * shape.every * shape.saves
     results: dict[str, dict[str, Any]] = {}
     for placement, cores in placements.items():
         out: dict[str, Any] = {
@@ -903,7 +909,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available())")
     shape = StateShape.for_total(opts.total_mib * MIB, opts.tensors)
-    mlp = MlpShape(opts.hidden, opts.layers, opts.batch, opts.steps, opts.every)
+    mlp = MlpShape(opts.hidden, opts.layers, opts.batch, opts.steps, opts.every, opts.saves)
     started = time.monotonic()
     load_before = load_average()
     # a private staging root: test sessions on a shared machine clean up new job dirs under
@@ -951,7 +957,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             goodput = run_world("goodput", dict(args, goodput_uri=uri), env)
             goodput.pop("engine")
         if opts.long_every and not opts.stall_only and not opts.placed:
-            long = dataclasses.replace(mlp, every=opts.long_every, steps=2 * opts.long_every)
+            long = dataclasses.replace(mlp, every=opts.long_every, steps=2 * opts.long_every, saves=1)
             log(f"goodput at a longer interval: {long}")
             long_uri = f"{args['uri']}-goodput-every-{long.every}"
             goodput_long = run_world(
@@ -1008,6 +1014,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=32, help="goodput batch per rank")
     parser.add_argument("--steps", type=int, default=40, help="goodput steps per run")
     parser.add_argument("--every", type=int, default=10, help="checkpoint every K steps")
+    parser.add_argument(
+        "--saves-per-segment",
+        dest="saves",
+        type=int,
+        default=1,
+        help="saves in each variant's turn of a round (K steps each); ours waits for its "
+        "last commit once, at the turn's end, as a loop that saves every K steps would "
+        "(default 1: a wait after every save)",
+    )
     parser.add_argument(
         "--long-every",
         type=int,

@@ -280,7 +280,7 @@ def test_gc_stops_at_a_codec_it_does_not_know_and_deletes_nothing() -> None:
 
 def stage(root: Path, rank: int, world: int, plan_: SavePlan, *, staged_at: float) -> Path:
     slot = slots.slot_dirs(root, rank, 1)[0]
-    slot.mkdir(parents=True)
+    slot.mkdir(parents=True, exist_ok=True)  # a freed slot stays, empty of a staged save
     name = f"__{rank}_0.distcp"
     (slot / name).write_bytes(bytes([rank]) * 1000 + plan_.save.nonce.encode())
     files: tuple[tuple[str, tuple[Span, ...]], ...] = ((name, (Span(0, 1016),)),)
@@ -324,6 +324,39 @@ def test_a_sidecar_serving_every_rank_commits_and_frees_the_slots(tmp_path: Path
     assert isinstance(manifest, Manifest) and manifest.save == A2
     assert futures[1].result(timeout=0) is None  # rank 1's part: stored, rank 0 commits
     assert set(manifest.files) == {"__0_0.distcp", "__1_0.distcp"}
+
+
+
+class GcCountingStore(MemoryStore):
+    """Counts gc's runs: each lists every chunk, which nothing else on a commit does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunk_listings = 0
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        self.chunk_listings += prefix == "chunks/"
+        return super().list(prefix)
+
+
+@pytest.mark.parametrize(("grace_s", "gc_runs"), [(3600.0, 1), (0.0, 5)])
+def test_a_frequent_saver_runs_gc_once_per_tenth_of_the_grace_not_every_commit(
+    tmp_path: Path, grace_s: float, gc_runs: int
+) -> None:
+    """Six commits in a row, keep_last 1: each after the first retires one. With the
+    default hour's grace gc runs at the first of those (then not again within 5 minutes,
+    policy.gc_due); with no grace, after every one of them."""
+    store = GcCountingStore()
+    config = CheckpointConfig(
+        uri=f"file://{tmp_path}/store", keep_last=1, gc_grace_s=grace_s, commit_timeout_s=5
+    )
+    p = Persister(store, config, root=tmp_path, metrics=CheckpointMetrics(), rank=None)
+    for step in range(1, 7):
+        save = SaveIdentity("1", f"{step:016x}")
+        stage(tmp_path, 0, 1, plan(save, step), staged_at=time.time())
+        assert p.run_once()
+    assert repository.committed_steps(store) == [6]
+    assert store.chunk_listings == gc_runs
 
 
 def test_a_sidecar_uploads_a_rank_staged_while_rank0_s_commit_waits_for_it(

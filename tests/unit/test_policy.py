@@ -3,7 +3,14 @@ from __future__ import annotations
 import pytest
 
 from trainer_sidecar.format.manifest import SaveIdentity
-from trainer_sidecar.format.policy import Committed, plan_gc, plan_retention, plan_save
+from trainer_sidecar.format.policy import (
+    GC_INTERVAL_CAP_S,
+    Committed,
+    gc_due,
+    plan_gc,
+    plan_retention,
+    plan_save,
+)
 from trainer_sidecar.store.base import ObjectInfo
 
 SAVE = SaveIdentity("0", "0123456789abcdef")
@@ -112,3 +119,20 @@ def test_plan_gc_spares_referenced_and_young_objects() -> None:
     ]
     got = plan_gc(objects, {"chunks/cc/old-referenced"}, now=100.0, grace_s=10.0)
     assert got == ["chunks/aa/old-orphan"]
+
+
+@pytest.mark.parametrize(
+    ("last_run", "now", "grace_s", "due"),
+    [
+        (None, 0.0, 3600.0, True),  # the persister's first: at once
+        (100.0, 100.0, 0.0, True),  # no grace: after every commit
+        (100.0, 399.0, 3600.0, False),  # an hour's grace: a tenth is 6 minutes...
+        (100.0, 100.0 + GC_INTERVAL_CAP_S, 3600.0, True),  # ...capped at 5
+        (100.0, 105.0, 60.0, False),
+        (100.0, 106.0, 60.0, True),  # a tenth of the grace
+    ],
+)
+def test_gc_runs_at_most_once_per_tenth_of_the_grace(
+    last_run: float | None, now: float, grace_s: float, due: bool
+) -> None:
+    assert gc_due(last_run, now, grace_s) is due

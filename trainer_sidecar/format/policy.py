@@ -122,3 +122,20 @@ def plan_gc(
     than any save takes) is what keeps those safe.
     """
     return [o.key for o in objects if o.key not in referenced and now - o.last_modified >= grace_s]
+
+
+GC_INTERVAL_CAP_S = 300.0
+"""The longest a commit leaves gc owed (gc_due): at most 5 minutes past the grace."""
+
+
+def gc_due(last_run: float | None, now: float, grace_s: float) -> bool:
+    """Whether a commit that owes gc (retention retired something) runs it now.
+
+    Nothing unnamed goes before it is ``grace_s`` old, so a run sooner than a tenth of the
+    grace after the last frees little earlier; yet every run lists every chunk and reads
+    every retired manifest still in its grace, which grows with the saves made within it
+    (with a save every 3 s and the default hour, about 1,200 manifests and 35,000 chunks,
+    after every commit). So at most once per ``min(grace_s / 10, GC_INTERVAL_CAP_S)``:
+    storage held at most that long past the grace. ``last_run`` None (none yet): now.
+    """
+    return last_run is None or now - last_run >= min(grace_s / 10, GC_INTERVAL_CAP_S)

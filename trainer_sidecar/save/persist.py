@@ -51,7 +51,7 @@ from ..errors import (
     UploadAborted,
 )
 from ..format.manifest import ChunkRef, Manifest, SaveIdentity
-from ..format.policy import Committed, reference_ranks
+from ..format.policy import Committed, gc_due, reference_ranks
 from ..metrics import CheckpointMetrics
 from ..store import commit as commits
 from ..store import repository
@@ -105,6 +105,8 @@ class Persister:
         self._watchers: dict[Watched, cf.Future[Manifest | None]] = {}
         self._lock = threading.Lock()
         self._latest: Manifest | None = None
+        self._gc_owed = False  # retention retired something that gc has not swept since
+        self._gc_ran_at: float | None = None  # monotonic, the last gc run that completed
         self._ended_attempt: int | None = None  # the newest attempt the operator ended
 
     # -- in-process completion: futures, no polling -----------------------------
@@ -364,15 +366,23 @@ class Persister:
         return bool(others)
 
     def _retention(self, step: int) -> None:
+        """Retire past keep_last; then gc, if this or an earlier commit retired something
+        and a run is due (policy.gc_due: not after every commit of a frequent saver)."""
         try:
             if repository.apply_retention(self.store, self.config.keep_last):
+                self._gc_owed = True
+            now = time.monotonic()
+            if self._gc_owed and gc_due(self._gc_ran_at, now, self.config.gc_grace_s):
                 repository.collect_garbage(self.store, grace_s=self.config.gc_grace_s)
+                self._gc_owed, self._gc_ran_at = False, now
         except CheckpointError as exc:  # housekeeping; the commit stands
             log.error("retention or gc after step %d stopped: %s", step, exc)
             self.metrics.gc_blocked.set(1)
+            self._gc_ran_at = None  # due again at the next commit
         except Exception:  # noqa: BLE001 - the same, unforeseen: with its traceback
             log.exception("retention or gc after step %d failed", step)
             self.metrics.gc_blocked.set(1)
+            self._gc_ran_at = None
         else:
             self.metrics.gc_blocked.set(0)
 
