@@ -40,10 +40,11 @@ variant ran in calm, so the variants take turns: N / K rounds, each running K st
 every variant (rotated order). A save comes after the first step of its K, so our upload
 overlaps the other K - 1; after each of our segments the benchmark waits for that save to
 commit (charged to ours, as "flush"). With ``--saves-per-segment M`` each variant's turn is
-M x K steps with a save every K, and ours waits once, for the last save, at the turn's end:
-a save that finds the one before still uploading waits for the staging slot inside the
-loop, so a checkpoint path that cannot keep up still shows. One warm-up save of each kind comes first (our slot
-allocated and touched, DCP's client made). Goodput = steps / (segments + flushes).
+M x K steps with a save every K, and ours waits once, for the last save, at the turn's
+end: a save that finds the one before still uploading waits for the staging slot inside
+the loop, so a checkpoint path that cannot keep up still shows. One warm-up save of each
+kind comes first (our slot allocated and touched, DCP's client made).
+Goodput = steps / (segments + flushes).
 
 Ratios are ours / anchor, except ``wallclock_reduction_vs_sync`` = 1 - ours / sync
 (higher is better); TARGETS holds each target. ``stall_ratio_vs_dcp_best`` divides by
@@ -957,7 +958,9 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             goodput = run_world("goodput", dict(args, goodput_uri=uri), env)
             goodput.pop("engine")
         if opts.long_every and not opts.stall_only and not opts.placed:
-            long = dataclasses.replace(mlp, every=opts.long_every, steps=2 * opts.long_every, saves=1)
+            long = dataclasses.replace(
+                mlp, every=opts.long_every, steps=2 * opts.long_every, saves=1
+            )
             log(f"goodput at a longer interval: {long}")
             long_uri = f"{args['uri']}-goodput-every-{long.every}"
             goodput_long = run_world(
