@@ -57,7 +57,7 @@ e2e_cluster="${CTJ_E2E_CLUSTER:-ctj-e2e}"
 e2e_env="$(mktemp)" e2e_log="$(mktemp)" e2e_made="" lanes=() lane_outs=()
 cleanup() {
   rm -f "$e2e_env" "$e2e_log" "$bin_log" "$bin_rc" "$e2e_rc" "${lane_outs[@]}"
-  rmdir "${chaos_claim:-/nonexistent}" 2>/dev/null || true
+  rm -rf "${claims:-/nonexistent}"
   local pid
   for pid in "${lanes[@]}"; do  # interrupted: the lanes' tests end with this process
     if kill -0 "$pid" 2>/dev/null; then pkill -TERM -P "$pid" || true; kill "$pid" || true; fi
@@ -145,30 +145,48 @@ cluster_tier() {
   phase "pytest (cluster tier) ended (exit $rc)"
   return "$rc"
 }
-# The chaos test (the integration tier's longest file, about 7 minutes under three lanes)
-# runs in whichever lane is free first: this one after the rest of its tier, or the e2e
-# tier's after that tier (on a cold machine the e2e tier's images are built last). mkdir
-# is the atomic claim.
-chaos_test=tests/integration/test_chaos.py
-chaos_claim="$(mktemp -u)"
-chaos_if_unclaimed() {
-  local rc=0
-  mkdir "$chaos_claim" 2>/dev/null || return 0
-  phase "pytest (the chaos test, in this lane)"
-  python -m pytest -ra --durations=5 "$chaos_test" || rc=$?
-  phase "pytest (the chaos test) ended (exit $rc)"
+# Integration files that run apart from their tier's pytest, each in whichever lane is
+# free first, the longest first: every lane, its own tier done, takes the next unclaimed
+# one until none is left (mkdir is the atomic claim). They are long, stand alone (each
+# starts its own servers) and together take about 10 minutes under three lanes, which
+# evens the lanes' ends (docs/e2e.md, "Three lanes").
+movable_tests=(
+  tests/integration/test_chaos.py
+  tests/integration/test_bench_restore_tier_smoke.py
+  tests/integration/test_bench_async_smoke.py
+  tests/integration/test_bench_finetune_smoke.py
+  tests/integration/test_bench_smoke.py
+  tests/integration/test_bench_s3_servers_smoke.py
+)
+claims="$(mktemp -d)"
+run_unclaimed_tests() {
+  local rc=0 one file
+  for file in "${movable_tests[@]}"; do
+    mkdir "$claims/${file##*/}" 2>/dev/null || continue
+    phase "pytest ($file, in this lane)"
+    one=0
+    python -m pytest -ra --durations=5 "$file" || one=$?
+    phase "pytest ($file) ended (exit $one)"
+    rc=$(( rc ? rc : one ))
+  done
   return "$rc"
 }
-# the e2e tier's lane: that tier, then the chaos test if no other lane has started it
+# the cluster tier's lane, and the e2e tier's (its cluster's variables kept to a subshell)
+cluster_lane() {
+  local rc=0
+  cluster_tier || rc=$?
+  run_unclaimed_tests || rc=$(( rc ? rc : $? ))
+  return "$rc"
+}
 e2e_lane() {
   local rc=0
-  e2e_tier || rc=$?
-  chaos_if_unclaimed || rc=$(( rc ? rc : $? ))
+  ( e2e_tier ) || rc=$?
+  run_unclaimed_tests || rc=$(( rc ? rc : $? ))
   return "$rc"
 }
 lint
 if (( $# == 0 )); then
-  rc=0 chaos_args=()
+  rc=0 apart_args=()
   # lane FUNCTION: run it in the background, its output to a file printed at the end
   lane() {
     local out; out="$(mktemp)"
@@ -178,15 +196,15 @@ if (( $# == 0 )); then
   if [ -z "${CTJ_SERIAL_TIERS:-}" ]; then
     phase "the cluster tier and the e2e tier run beside this one (their output: at the end)"
     e2e_made=1
-    lane cluster_tier
+    lane cluster_lane
     lane e2e_lane
-    chaos_args=("--ignore=$chaos_test")
+    apart_args=("${movable_tests[@]/#/--ignore=}")
   fi
   # the slowest tests are listed: where the 90 minutes of CI go, in every CI log
   phase "pytest (unit and integration tiers)"
-  python -m pytest -ra --durations=25 tests/unit tests/integration "${chaos_args[@]}" || rc=$?
+  python -m pytest -ra --durations=25 tests/unit tests/integration "${apart_args[@]}" || rc=$?
   phase "pytest (unit and integration tiers) ended (exit $rc)"
-  if [ -n "${lanes[*]}" ]; then chaos_if_unclaimed || rc=$(( rc ? rc : $? )); fi
+  if [ -n "${lanes[*]}" ]; then run_unclaimed_tests || rc=$(( rc ? rc : $? )); fi
   if [ -n "${CTJ_SERIAL_TIERS:-}" ]; then
     cluster_tier || rc=$(( rc ? rc : $? ))
     e2e_tier || rc=$(( rc ? rc : $? ))
