@@ -33,7 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import bench_checkpoint
+from bench_async import process_cpu_seconds
 from bench_checkpoint import CREDENTIALS, REGION, create_bucket, log, machine, s3_server
+from ctj_devcluster.processes import descendants
 
 SERVERS = ("moto", "seaweedfs")
 MIB = 1 << 20
@@ -41,22 +43,8 @@ IN_FLIGHT = 8
 
 
 def tree_cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of ``pid`` and its descendants (moto's reloader forks)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
+    """user + system CPU seconds of ``pid`` and of any process it started."""
+    return sum(process_cpu_seconds(p) for p in (pid, *descendants(pid)))
 
 
 def client(endpoint: str) -> Any:
