@@ -326,16 +326,22 @@ def test_a_sidecar_serving_every_rank_commits_and_frees_the_slots(tmp_path: Path
     assert set(manifest.files) == {"__0_0.distcp", "__1_0.distcp"}
 
 
-
-class GcCountingStore(MemoryStore):
-    """Counts gc's runs: each lists every chunk, which nothing else on a commit does."""
+class RequestCountingStore(MemoryStore):
+    """A memory store counting its gets and lists (the requests an S3 store would send),
+    and the prefixes it listed."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.chunk_listings = 0
+        self.requests = 0
+        self.listed: list[str] = []
+
+    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+        self.requests += 1
+        return super().get(key, byte_range=byte_range)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        self.chunk_listings += prefix == "chunks/"
+        self.requests += 1
+        self.listed.append(prefix)
         return super().list(prefix)
 
 
@@ -346,7 +352,7 @@ def test_a_frequent_saver_runs_gc_once_per_tenth_of_the_grace_not_every_commit(
     """Six commits in a row, keep_last 1: each after the first retires one. With the
     default hour's grace gc runs at the first of those (then not again within 5 minutes,
     policy.gc_due); with no grace, after every one of them."""
-    store = GcCountingStore()
+    store = RequestCountingStore()
     config = CheckpointConfig(
         uri=f"file://{tmp_path}/store", keep_last=1, gc_grace_s=grace_s, commit_timeout_s=5
     )
@@ -356,7 +362,7 @@ def test_a_frequent_saver_runs_gc_once_per_tenth_of_the_grace_not_every_commit(
         stage(tmp_path, 0, 1, plan(save, step), staged_at=time.time())
         assert p.run_once()
     assert repository.committed_steps(store) == [6]
-    assert store.chunk_listings == gc_runs
+    assert store.listed.count("chunks/") == gc_runs  # each gc run lists every chunk
 
 
 def test_a_sidecar_uploads_a_rank_staged_while_rank0_s_commit_waits_for_it(
@@ -441,22 +447,6 @@ def test_failure_markers_carry_the_reason_as_json() -> None:
 
 
 # -- what a training loop asks -----------------------------------------------------
-
-
-class RequestCountingStore(MemoryStore):
-    """A memory store counting its gets and lists: the requests an S3 store would send."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.requests = 0
-
-    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
-        self.requests += 1
-        return super().get(key, byte_range=byte_range)
-
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        self.requests += 1
-        return super().list(prefix)
 
 
 def test_a_loop_asking_done_at_every_step_asks_the_store_at_most_every_poll_period(
